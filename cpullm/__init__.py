@@ -1,0 +1,10 @@
+"""cpullm: LLM inference and serving on CPUs."""
+
+from cpullm.entrypoints.llm import LLM
+from cpullm.outputs import CompletionOutput, Logprob, RequestOutput
+from cpullm.sampling_params import RequestOutputKind, SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "RequestOutputKind", "__version__"]

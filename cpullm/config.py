@@ -1,0 +1,123 @@
+"""Frozen configuration of one engine: model, KV cache, scheduler, parallelism.
+
+EngineArgs (user flags) builds these; everything downstream reads them and never
+changes them. Derived values are properties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cpullm.transformers_utils import ModelSource
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    source: ModelSource
+    hf_config: Any  # transformers.PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int = 0
+    served_model_name: str = "default"
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    enforce_eager: bool = False
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        if archs:
+            return archs[0]
+        # GGUF configs carry a model_type but no architectures list.
+        model_type = self.hf_config.model_type
+        return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(
+                    model_type, model_type)
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_heads(self) -> int:
+        return self.hf_config.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return (getattr(self.hf_config, "head_dim", None)
+                or self.hf_config.hidden_size // self.num_heads)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def sliding_window(self) -> int | None:
+        if getattr(self.hf_config, "use_sliding_window", True) is False:
+            return None
+        return getattr(self.hf_config, "sliding_window", None)
+
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over all layers, in bytes."""
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size % 32:
+            raise ValueError(f"block_size must be a positive multiple of 32, got {self.block_size}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+            if value > 1:
+                raise ValueError(f"{name}={value}: parallel execution is not supported yet; "
+                                 "run with 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig

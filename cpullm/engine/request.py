@@ -1,0 +1,102 @@
+"""Request: the one object that travels through the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from cpullm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that ``status > RequestStatus.PREEMPTED`` means finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+class Request:
+    """Prompt and output token ids, KV progress and block table of one sequence."""
+
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids",
+                 "max_model_len", "arrival_time", "output_token_ids", "all_token_ids",
+                 "num_computed_tokens", "block_table", "block_hashes", "status", "stop_reason",
+                 "num_cached_tokens", "num_prompt_logprobs_done", "first_token_time")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, eos_token_ids: set[int],
+                 max_model_len: int) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        # KV of all_token_ids[:num_computed_tokens] is in the cache.
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        # Chained hashes of the full blocks of all_token_ids, for prefix caching.
+        self.block_hashes: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache
+        self.num_prompt_logprobs_done = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        """Output tokens allowed: the request's max_tokens, bounded by the context."""
+        room = self.max_model_len - self.num_prompt_tokens
+        limit = self.sampling_params.max_tokens
+        return room if limit is None else min(limit, room)
+
+    def append_output_token(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> bool:
+        """Finish on a stop token or on length; stop strings are the detokenizer's job."""
+        params = self.sampling_params
+        if self.num_output_tokens < params.min_tokens:
+            return False
+        last = self.output_token_ids[-1]
+        if not params.ignore_eos and last in self.eos_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in params.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = last
+            return True
+        if self.num_output_tokens >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

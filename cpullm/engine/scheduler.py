@@ -1,0 +1,165 @@
+"""Scheduler: which requests run this step, and how many tokens each.
+
+Policy: there are no prefill or decode phases. Every step hands out a token budget so that
+each request's num_computed_tokens catches up with its num_tokens: running requests first,
+oldest first, then waiting requests in arrival order while the token, sequence and block
+budgets last. A long prompt simply takes several steps (chunked prefill), and decodes and
+prompt chunks share a step. When a running request cannot get a KV block, the newest
+running request is preempted: its blocks are freed and it is recomputed later from its
+prompt and output so far, which gives the same tokens as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cpullm.config import CacheConfig, SchedulerConfig
+from cpullm.engine.kv_cache_manager import KVCacheManager
+from cpullm.engine.request import Request, RequestStatus
+from cpullm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step, as the model runner needs it."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens to compute: all_token_ids[num_computed_tokens:][:n]
+    num_computed_tokens: int  # position of token_ids[0]
+    block_table: list[int]
+    sample: bool  # this step reaches the request's last token, so it samples the next one
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """The contract going down to the model runner."""
+
+    scheduled: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    # Requests finished since the previous step: the runner drops their state (generators).
+    finished_request_ids: set[str] = field(default_factory=set)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.config = scheduler_config
+        self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
+                                               cache_config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.finished_request_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
+
+        # 1. Running requests, oldest first; preempt the newest when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache_manager.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, num_new))
+                budget -= num_new
+                i += 1
+
+        # 2. Waiting requests in order, unless this step already had to preempt.
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            cached_blocks = self.kv_cache_manager.find_cached_prefix(request)
+            num_cached = len(cached_blocks) * self.kv_cache_manager.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv_cache_manager.allocate_slots(request, num_new, cached_blocks):
+                break
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+
+        output = SchedulerOutput(
+            scheduled=[self._describe(request, n) for request, n in scheduled],
+            num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_request_ids=self.finished_request_ids)
+        self.finished_request_ids = set()
+        return output
+
+    @staticmethod
+    def _describe(request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:start + num_new],
+            num_computed_tokens=start,
+            block_table=request.block_table,
+            sample=start + num_new == request.num_tokens,
+            sampling_params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled: dict[str, int]) -> list[Request]:
+        """Advance the scheduled requests after the step ran; returns the requests that
+        got a new token. Requests that finished are freed."""
+        updated = []
+        for item in output.scheduled:
+            request = self.requests[item.request_id]
+            before = request.num_computed_tokens
+            request.num_computed_tokens = before + len(item.token_ids)
+            self.kv_cache_manager.cache_computed_blocks(request, before)
+            token = sampled.get(item.request_id)
+            if token is None:
+                continue
+            request.append_output_token(token)
+            if request.check_stop():
+                self._finish(request)
+            updated.append(request)
+        return updated
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """End requests from outside the step (stop strings, aborts)."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status.finished:
+                continue
+            if request.status != RequestStatus.RUNNING:
+                self.waiting.remove(request)
+            request.status = status
+            self._finish(request)
+
+    def _finish(self, request: Request) -> None:
+        assert request.status.finished
+        if request in self.running:
+            self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_request_ids.add(request.request_id)

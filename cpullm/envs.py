@@ -1,0 +1,58 @@
+"""Every environment variable cpullm reads, in one place.
+
+The names and meanings are vLLM CPU's, so a deployment tuned for vLLM carries over.
+Values are read when accessed (``envs.VLLM_CPU_KVCACHE_SPACE``), not at import, so tests
+and launchers can set them late.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+def _optional_float(name: str) -> float | None:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of GiB, got {value!r}") from None
+
+
+def _optional_int(name: str) -> int | None:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    # KV cache size in GiB for the CPU backend; unset means a default chosen at startup.
+    "VLLM_CPU_KVCACHE_SPACE": lambda: _optional_float("VLLM_CPU_KVCACHE_SPACE"),
+    # CPU ids the compute threads are bound to: "auto", "nobind", "0-31" or "0-31|32-63".
+    "VLLM_CPU_OMP_THREADS_BIND": lambda: os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+    # CPUs kept free of compute threads for the front-end (auto binding only).
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": lambda: _optional_int("VLLM_CPU_NUM_OF_RESERVED_CPU"),
+    # NUMA nodes (comma list) visible to auto binding, in order.
+    "CPU_VISIBLE_MEMORY_NODES": lambda: os.environ.get("CPU_VISIBLE_MEMORY_NODES"),
+    # Log level of the cpullm logger.
+    "VLLM_LOGGING_LEVEL": lambda: os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
+    # Bearer key the OpenAI server requires when --api-key is not given.
+    "VLLM_API_KEY": lambda: os.environ.get("VLLM_API_KEY"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)

@@ -1,0 +1,28 @@
+"""Logging set up once for the whole package, level from VLLM_LOGGING_LEVEL."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+_ROOT = "cpullm"
+_configured = False
+
+
+def init_logger(name: str) -> logging.Logger:
+    """Return a logger under the package root, configuring the root on first use."""
+    global _configured
+    if not _configured:
+        from cpullm import envs
+
+        root = logging.getLogger(_ROOT)
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(
+            logging.Formatter("%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
+                              datefmt="%m-%d %H:%M:%S")
+        )
+        root.addHandler(handler)
+        root.setLevel(envs.VLLM_LOGGING_LEVEL.upper())
+        root.propagate = False
+        _configured = True
+    return logging.getLogger(name if name.startswith(_ROOT) else f"{_ROOT}.{name}")

@@ -1,0 +1,85 @@
+"""Attention over the paged KV cache.
+
+The tokens of one step arrive flat: first the decode tokens (one query per request), then
+the prompt chunks (several queries per request). Both groups read their keys and values
+from the paged cache after this step's K/V have been written to it:
+
+    slot of position p of a request = block_table[p // block_size] * block_size
+                                      + p % block_size
+
+    key_cache [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table [3, 7]  ->  positions 0..127 live in block 3, 128..255 in block 7
+
+Each group gathers its requests' blocks into a padded [num_seqs, max_len] view and runs
+one scaled-dot-product attention over the whole group with a mask; there is no Python
+loop over requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step layout, built once by the model runner and shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of every new token
+    num_decode_tokens: int  # the first num_decode_tokens tokens are single-query requests
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks]
+    prefill_query_index: torch.Tensor  # [num_prefill_tokens] index into [num_prefills * max_q]
+    prefill_max_query_len: int
+    prefill_mask: torch.Tensor  # [num_prefills, 1, max_q, max_blocks * block_size] bool
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        flat_shape = (-1, self.num_kv_heads, self.head_dim)
+        key_cache.view(flat_shape).index_copy_(0, meta.slot_mapping, k)
+        value_cache.view(flat_shape).index_copy_(0, meta.slot_mapping, v)
+
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            query = q[:nd].unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
+            out[:nd] = self._attend(query, key_cache, value_cache, meta.decode_block_tables,
+                                    meta.decode_mask).squeeze(2)
+        if nd < q.shape[0]:
+            num_prefills = meta.prefill_block_tables.shape[0]
+            max_q = meta.prefill_max_query_len
+            padded = q.new_zeros(num_prefills * max_q, self.num_heads, self.head_dim)
+            padded[meta.prefill_query_index] = q[nd:]
+            # [num_prefills, num_heads, max_q, head_dim]
+            query = padded.view(num_prefills, max_q, self.num_heads, self.head_dim).transpose(1, 2)
+            result = self._attend(query, key_cache, value_cache, meta.prefill_block_tables,
+                                  meta.prefill_mask)
+            out[nd:] = result.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)[
+                meta.prefill_query_index]
+        return out
+
+    def _attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                block_tables: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        num_seqs = block_tables.shape[0]
+        # [num_seqs, max_blocks, block_size, kv_heads, d] -> [num_seqs, kv_heads, max_len, d]
+        keys = key_cache[block_tables].view(num_seqs, -1, self.num_kv_heads, self.head_dim)
+        values = value_cache[block_tables].view(num_seqs, -1, self.num_kv_heads, self.head_dim)
+        return F.scaled_dot_product_attention(
+            query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)

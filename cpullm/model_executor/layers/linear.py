@@ -1,0 +1,82 @@
+"""Linear layers behind one small interface.
+
+Every linear layer owns its parameters and a ``weight_loader(param, loaded, shard_id)``
+that copies a checkpoint tensor into the right slice. Merged layers (QKV, gate-up) take
+several checkpoint tensors as shards of one weight, so the forward pass runs one GEMM
+instead of three or two. Quantized and tensor-parallel variants implement the same
+interface: ``forward(x)`` and ``weight_loader``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LinearBase(nn.Module):
+    """``y = x @ W.T + b`` with W of shape [output_size, input_size]."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def shard_range(self, shard_id: str | int | None) -> tuple[int, int]:
+        """Rows of the output that the checkpoint tensor ``shard_id`` fills."""
+        assert shard_id is None, f"{type(self).__name__} has no shards"
+        return 0, self.output_size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: str | int | None = None) -> None:
+        start, end = self.shard_range(shard_id)
+        target = param.data[start:end]
+        if target.shape != loaded.shape:
+            raise ValueError(f"shape mismatch for shard {shard_id!r}: checkpoint "
+                             f"{tuple(loaded.shape)}, model {tuple(target.shape)}")
+        target.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """A plain linear layer, whole on every rank."""
+
+
+class MergedColumnLinear(LinearBase):
+    """Several linear layers with the same input, stacked along the output
+    (gate_proj and up_proj -> gate_up_proj). Shard ids are the positions 0, 1, ..."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, dtype)
+
+    def shard_range(self, shard_id: str | int | None) -> tuple[int, int]:
+        assert isinstance(shard_id, int)
+        start = sum(self.output_sizes[:shard_id])
+        return start, start + self.output_sizes[shard_id]
+
+
+class QKVLinear(LinearBase):
+    """q_proj, k_proj and v_proj as one layer; shard ids are "q", "k", "v"."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, dtype: torch.dtype | None = None) -> None:
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, dtype)
+
+    def shard_range(self, shard_id: str | int | None) -> tuple[int, int]:
+        start = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[str(shard_id)]
+        return start, start + (self.q_size if shard_id == "q" else self.kv_size)

@@ -1,0 +1,61 @@
+"""Copy named checkpoint tensors into a model, loudly.
+
+A checkpoint name either matches a parameter, or is one shard of a merged parameter
+(``q_proj`` -> ``qkv_proj`` shard "q"). Loading fails on an unknown name, a missing
+parameter or shard, a shape mismatch or a non-float tensor; nothing is silently skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+# Buffers some checkpoints carry that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                       stacked_params: dict[str, tuple[str, str | int]],
+                       skip: set[str]) -> None:
+    params = dict(model.named_parameters())
+    expected: dict[str, set[str | int | None]] = {name: {None} for name in params}
+    for name in params:
+        for merged, shard in stacked_params.values():
+            if f".{merged}." in name:
+                expected[name] = {s for m, s in stacked_params.values() if m == merged}
+    loaded: dict[str, set[str | int | None]] = {name: set() for name in params}
+
+    for ckpt_name, tensor in weights:
+        if ckpt_name in skip or ckpt_name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if not tensor.is_floating_point():
+            raise ValueError(f"checkpoint tensor {ckpt_name} has dtype {tensor.dtype}; "
+                             "a floating-point tensor is expected")
+        name, shard = ckpt_name, None
+        for part, (merged, shard_id) in stacked_params.items():
+            if f".{part}." in ckpt_name:
+                name, shard = ckpt_name.replace(f".{part}.", f".{merged}."), shard_id
+                break
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {ckpt_name} has no matching parameter in "
+                             f"{type(model).__name__}")
+        try:
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor, shard)
+            elif param.shape != tensor.shape:
+                raise ValueError(f"checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}")
+            else:
+                param.data.copy_(tensor)
+        except ValueError as e:
+            raise ValueError(f"cannot load {ckpt_name} into {name}: {e}") from None
+        loaded[name].add(shard)
+
+    missing = [f"{name}" + (f" (shards {sorted(map(str, expected[name] - got))})"
+                            if expected[name] != {None} else "")
+               for name, got in loaded.items() if expected[name] - got]
+    if missing:
+        raise ValueError(f"checkpoint lacks weights for: {', '.join(missing)}")

@@ -1,0 +1,27 @@
+"""Architecture name (config.json ``architectures``) -> model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from cpullm.model_executor.models.llama import (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(f"architecture {architecture!r} is not supported; supported: "
+                         f"{', '.join(sorted(MODEL_REGISTRY))}") from None

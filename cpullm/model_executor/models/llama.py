@@ -1,0 +1,164 @@
+"""The Llama family: Llama (SmolLM2, Llama 3.x), Mistral, Qwen2 and Qwen3.
+
+They differ in three switches: bias on the QKV projection (Qwen2), an RMSNorm on each
+query and key head (Qwen3), and bias on the output projection. Parameter names mirror
+Hugging Face's, except that q/k/v and gate/up are merged (see ``stacked_params``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from cpullm.model_executor.layers.activation import SiluAndMul
+from cpullm.model_executor.layers.attention import AttentionMetadata, PagedAttention
+from cpullm.model_executor.layers.embedding import LMHead, VocabEmbedding
+from cpullm.model_executor.layers.linear import MergedColumnLinear, QKVLinear, ReplicatedLinear
+from cpullm.model_executor.layers.norm import RMSNorm
+from cpullm.model_executor.layers.rotary import RotaryEmbedding
+from cpullm.model_executor.loader.weights import load_named_weights
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = (getattr(config, "head_dim", None)
+                         or config.hidden_size // self.num_heads)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads,
+                                  self.num_kv_heads, bias=qkv_bias, dtype=dtype)
+        self.o_proj = ReplicatedLinear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
+        self.qk_norm = qk_norm
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_kv_heads,
+                                   scale=self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, kv_cache, meta)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(out.view(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate_size] * 2, bias=bias,
+                                               dtype=dtype)
+        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, rotary: RotaryEmbedding, flags: dict[str, bool],
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary, dtype=dtype, **flags)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size,
+                            getattr(config, "mlp_bias", False), dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                                dtype=dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, max_position: int, flags: dict[str, bool],
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        head_dim = (getattr(config, "head_dim", None)
+                    or config.hidden_size // config.num_attention_heads)
+        rotary = RotaryEmbedding(config, head_dim, max_position)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, flags, dtype)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name -> (merged parameter, shard id)
+    stacked_params = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    @staticmethod
+    def layer_flags(config: Any) -> dict[str, bool]:
+        bias = bool(getattr(config, "attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+    def __init__(self, config: Any, max_position: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, max_position, self.layer_flags(config), dtype)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        skip = {"lm_head.weight"} if self.tie_word_embeddings else set()
+        load_named_weights(self, weights, self.stacked_params, skip)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def layer_flags(config: Any) -> dict[str, bool]:
+        return {"qkv_bias": True, "o_bias": False, "qk_norm": False}
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def layer_flags(config: Any) -> dict[str, bool]:
+        bias = bool(getattr(config, "attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True}

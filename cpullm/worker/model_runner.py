@@ -1,0 +1,167 @@
+"""ModelRunner: one flat forward pass over all scheduled tokens of a step.
+
+It owns the model, the KV cache tensors, the sampler and the per-request random
+generators. It reads a SchedulerOutput and returns a ModelRunnerOutput; it never edits
+scheduler state, so it can move into a worker process behind the same contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cpullm.config import EngineConfig
+from cpullm.engine.scheduler import ScheduledRequest, SchedulerOutput
+from cpullm.model_executor.layers.attention import AttentionMetadata
+from cpullm.model_executor.loader import get_model
+from cpullm.worker.sampler import LogprobsLists, Sampler, SamplingBatch, compute_logprobs
+
+
+@dataclass
+class ModelRunnerOutput:
+    """The contract coming back: the new token of every request that sampled."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # request id -> one row for its new token
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # request id -> one row per prompt position computed this step (predicting the next)
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int]) -> None:
+        self.config = config
+        model_config = config.model
+        self.block_size = config.cache.block_size
+        self.sliding_window = model_config.sliding_window
+        self.model = get_model(model_config)
+        # [2, num_blocks, block_size, num_kv_heads, head_dim] per layer. Zeroed: padding
+        # slots are read (and masked) by attention, and garbage there could be NaN.
+        self.kv_caches = [
+            torch.zeros(2, config.cache.num_blocks, self.block_size, model_config.num_kv_heads,
+                        model_config.head_dim, dtype=model_config.dtype)
+            for _ in range(model_config.num_layers)]
+        self.sampler = Sampler(model_config.vocab_size, eos_token_ids)
+        self.generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in scheduler_output.finished_request_ids:
+            self.generators.pop(request_id, None)
+        if not scheduler_output.scheduled:
+            return ModelRunnerOutput()
+        # Single-token requests first: attention runs them on its decode path.
+        items = sorted(scheduler_output.scheduled, key=lambda r: len(r.token_ids) > 1)
+        input_ids, positions, meta, query_ends = self._prepare_inputs(items)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+
+        output = ModelRunnerOutput()
+        rows = [i for i, item in enumerate(items) if item.sample]
+        prompt_rows = self._prompt_logprob_rows(items, query_ends)
+        logits_index = [int(query_ends[i]) - 1 for i in rows]
+        for _, flat_index, _ in prompt_rows:
+            logits_index.extend(flat_index)
+        if not logits_index:
+            return output
+        logits = self.model.compute_logits(hidden[logits_index]).float()  # [rows, vocab]
+
+        if rows:
+            sampled = [items[i] for i in rows]
+            tokens, logprobs = self.sampler(logits[:len(rows)], self._sampling_batch(sampled))
+            for row, (item, token) in enumerate(zip(sampled, tokens, strict=True)):
+                output.sampled_token_ids[item.request_id] = token
+                if logprobs is not None and item.sampling_params.logprobs is not None:
+                    k = item.sampling_params.logprobs + 1
+                    output.logprobs[item.request_id] = LogprobsLists(
+                        [logprobs.token_ids[row][:k]], [logprobs.logprobs[row][:k]],
+                        [logprobs.ranks[row]])
+        offset = len(rows)
+        for item, flat_index, targets in prompt_rows:
+            chunk = logits[offset:offset + len(flat_index)]
+            offset += len(flat_index)
+            output.prompt_logprobs[item.request_id] = compute_logprobs(
+                chunk, torch.tensor(targets), item.sampling_params.prompt_logprobs or 0)
+        return output
+
+    def _prepare_inputs(self, items: list[ScheduledRequest]
+                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
+        bs = self.block_size
+        query_lens = np.array([len(r.token_ids) for r in items], dtype=np.int64)
+        starts = np.array([r.num_computed_tokens for r in items], dtype=np.int64)
+        query_ends = np.cumsum(query_lens)
+        num_tokens = int(query_ends[-1])
+        seq_lens = starts + query_lens
+        input_ids = np.fromiter((t for r in items for t in r.token_ids), dtype=np.int64,
+                                count=num_tokens)
+        # position of every flat token = its request's start + its offset in the request
+        request_of_token = np.repeat(np.arange(len(items)), query_lens)
+        positions = (np.arange(num_tokens) - np.repeat(query_ends - query_lens, query_lens)
+                     + np.repeat(starts, query_lens))
+        max_blocks = max(len(r.block_table) for r in items)
+        block_tables = np.zeros((len(items), max_blocks), dtype=np.int64)
+        for i, r in enumerate(items):
+            block_tables[i, :len(r.block_table)] = r.block_table
+        #   slot = block_table[position // block_size] * block_size + position % block_size
+        slot_mapping = block_tables[request_of_token, positions // bs] * bs + positions % bs
+
+        nd = int((query_lens == 1).sum())
+        decode_len = int(seq_lens[:nd].max()) if nd else 0
+        decode_blocks = -(-decode_len // bs)
+        key_pos = np.arange(decode_blocks * bs)
+        decode_mask = key_pos[None, :] < seq_lens[:nd, None]
+        if self.sliding_window is not None:
+            decode_mask &= key_pos[None, :] >= seq_lens[:nd, None] - self.sliding_window
+
+        p_lens, p_starts = query_lens[nd:], starts[nd:]
+        max_q = int(p_lens.max()) if len(p_lens) else 0
+        prefill_blocks = -(-int(seq_lens[nd:].max()) // bs) if len(p_lens) else 0
+        key_pos = np.arange(prefill_blocks * bs)
+        query_pos = p_starts[:, None] + np.arange(max_q)[None, :]  # [num_prefills, max_q]
+        prefill_mask = key_pos[None, None, :] <= query_pos[:, :, None]
+        if self.sliding_window is not None:
+            prefill_mask &= key_pos[None, None, :] > query_pos[:, :, None] - self.sliding_window
+        prefill_query_index = (np.repeat(np.arange(len(p_lens)) * max_q, p_lens)
+                               + np.arange(num_tokens - nd)
+                               - np.repeat(np.cumsum(p_lens) - p_lens, p_lens))
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping),
+            num_decode_tokens=nd,
+            decode_block_tables=torch.from_numpy(block_tables[:nd, :decode_blocks]),
+            decode_mask=torch.from_numpy(decode_mask)[:, None, None, :],
+            prefill_block_tables=torch.from_numpy(block_tables[nd:, :prefill_blocks]),
+            prefill_query_index=torch.from_numpy(prefill_query_index),
+            prefill_max_query_len=max_q,
+            prefill_mask=torch.from_numpy(prefill_mask)[:, None, :, :])
+        return torch.from_numpy(input_ids), torch.from_numpy(positions), meta, query_ends
+
+    @staticmethod
+    def _prompt_logprob_rows(items: list[ScheduledRequest], query_ends: np.ndarray
+                             ) -> list[tuple[ScheduledRequest, list[int], list[int]]]:
+        """(request, flat token indices, next prompt tokens) for the prompt positions whose
+        logprobs were asked: position p predicts prompt token p + 1."""
+        rows = []
+        for item, end in zip(items, query_ends, strict=True):
+            if item.sampling_params.prompt_logprobs is None:
+                continue
+            first = item.num_computed_tokens
+            last = min(first + len(item.token_ids), len(item.prompt_token_ids) - 1)
+            if first >= last:
+                continue
+            flat_start = int(end) - len(item.token_ids)
+            rows.append((item, list(range(flat_start, flat_start + last - first)),
+                         item.prompt_token_ids[first + 1:last + 1]))
+        return rows
+
+    def _sampling_batch(self, items: list[ScheduledRequest]) -> SamplingBatch:
+        generators: list[torch.Generator | None] = []
+        for item in items:
+            seed = item.sampling_params.seed
+            if seed is not None and item.request_id not in self.generators:
+                self.generators[item.request_id] = torch.Generator().manual_seed(seed)
+            generators.append(self.generators.get(item.request_id))
+        return SamplingBatch(params=[r.sampling_params for r in items],
+                             prompt_token_ids=[r.prompt_token_ids for r in items],
+                             output_token_ids=[r.output_token_ids for r in items],
+                             generators=generators)
