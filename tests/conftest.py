@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny random-weight models saved by transformers into temp folders."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
+            # Wide initial weights give peaked logits, so float32 rounding differences
+            # between two correct implementations do not flip a greedy argmax.
+            initializer_range=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "llama": dict(cls="LlamaConfig"),
+    "llama3-rope-tied": dict(cls="LlamaConfig", tie_word_embeddings=True,
+                             rope_parameters=dict(rope_type="llama3", rope_theta=500000.0,
+                                                  factor=8.0, low_freq_factor=1.0,
+                                                  high_freq_factor=4.0,
+                                                  original_max_position_embeddings=64)),
+    "mistral": dict(cls="MistralConfig", sliding_window=None),
+    "qwen2": dict(cls="Qwen2Config"),
+    "qwen3": dict(cls="Qwen3Config", head_dim=16),
+}
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model's tokenizer (from its GGUF file) saved as tokenizer.json."""
+    from cpullm.transformers_utils import load_tokenizer, resolve_model
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    load_tokenizer(resolve_model(None)).save_pretrained(path)
+    return path
+
+
+def make_tiny_model(path: Path, tokenizer_dir: Path, arch: str, seed: int = 0) -> Path:
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = dict(ARCHITECTURES[arch])
+    config_cls = getattr(transformers, spec.pop("cls"))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = config_cls(**{**TINY, "vocab_size": len(tokenizer), **spec})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path):
+    """Factory: the folder of a tiny random model of the given architecture (cached)."""
+    made: dict[str, Path] = {}
+
+    def get(arch: str = "llama") -> Path:
+        if arch not in made:
+            made[arch] = make_tiny_model(tmp_path_factory.mktemp(arch), tokenizer_dir, arch)
+        return made[arch]
+
+    return get
+
+
+def assert_pool_free(llm: Any) -> None:
+    """No request left and every KV block back in the free queue."""
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    pool = engine.scheduler.kv_cache_manager.pool
+    assert pool.num_free == pool.num_blocks
+    assert all(count == 0 for count in pool.ref_counts)

@@ -1,0 +1,48 @@
+"""The default model, SmolLM2-135M-Instruct from its GGUF file, end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_pool_free
+
+from cpullm import LLM, SamplingParams
+from cpullm.transformers_utils import resolve_model
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def llm_fp32():
+    return LLM(dtype="float32", max_model_len=1024)
+
+
+def test_gguf_greedy_matches_transformers(llm_fp32):
+    from transformers import AutoModelForCausalLM
+
+    source = resolve_model(None)
+    reference = AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file,
+                                                     dtype=torch.float32)
+    reference.generation_config.eos_token_id = None  # as ignore_eos: always 32 new tokens
+    tokenizer = llm_fp32.get_tokenizer()
+    prompts = ["The quick brown fox", "def fibonacci(n):\n    ",
+               tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outputs = llm_fp32.generate(prompts, params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ids = torch.tensor([output.prompt_token_ids])
+        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=32)
+        assert output.outputs[0].token_ids == expected[0, ids.shape[1]:].tolist(), prompt
+    assert_pool_free(llm_fp32)
+
+
+def test_chat_answers_paris():
+    llm = LLM(dtype="bfloat16", max_model_len=1024)
+    output = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=32))[0]
+    completion = output.outputs[0]
+    assert "Paris" in completion.text
+    assert completion.finish_reason == "stop"
+    assert_pool_free(llm)

@@ -1,0 +1,90 @@
+"""Greedy float32 tokens equal Hugging Face transformers' generate, token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ARCHITECTURES, assert_pool_free
+
+from cpullm import LLM, SamplingParams
+
+NUM_NEW_TOKENS = 32
+PROMPT_LENS = [5, 17, 40, 71, 130]
+
+
+def make_prompts(vocab_size: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1234)
+    return [torch.randint(100, vocab_size, (n,), generator=generator).tolist()
+            for n in PROMPT_LENS]
+
+
+def hf_greedy(model_dir, prompts: list[list[int]]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    results = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=NUM_NEW_TOKENS)
+        results.append(out[0, len(prompt):].tolist())
+    return results
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+
+# name -> LLM keyword arguments; block size 32 so that prompts span several blocks
+VARIANTS = {
+    "default": dict(),
+    "chunked-prefill-7": dict(max_num_batched_tokens=7),
+    "preemption": dict(kv_cache_memory_bytes=8 * 32 * 512, max_model_len=256),
+    "no-prefix-cache": dict(enable_prefix_caching=False),
+}
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def golden(request, tiny_model):
+    model_dir = tiny_model(request.param)
+    from transformers import AutoConfig
+
+    prompts = make_prompts(AutoConfig.from_pretrained(model_dir).vocab_size)
+    return model_dir, prompts, hf_greedy(model_dir, prompts)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_matches_transformers(golden, variant):
+    model_dir, prompts, expected = golden
+    llm = LLM(str(model_dir), dtype="float32", block_size=32, **VARIANTS[variant])
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outputs]
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert g == e, f"prompt {i} (len {PROMPT_LENS[i]}) differs from transformers"
+    if variant == "preemption":
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert_pool_free(llm)
+
+
+def test_batch_equals_singles(tiny_model):
+    llm = LLM(str(tiny_model("llama")), dtype="float32", block_size=32)
+    prompts = make_prompts(llm.llm_engine.config.model.vocab_size)
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    singles = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert batched == singles
+    assert_pool_free(llm)
+
+
+def test_prefix_cache_hits_give_same_tokens(tiny_model):
+    llm = LLM(str(tiny_model("qwen3")), dtype="float32", block_size=32)
+    prefix = make_prompts(llm.llm_engine.config.model.vocab_size)[-1]  # 130 tokens
+    prompts = [prefix + [500 + i] * (i + 1) for i in range(3)]
+    first = llm.generate(prompts[0], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens == 128 for o in rest)
+    uncached = LLM(str(tiny_model("qwen3")), dtype="float32", block_size=32,
+                   enable_prefix_caching=False)
+    expected = uncached.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in [first, *rest]] == [
+        o.outputs[0].token_ids for o in expected]
+    assert len(set(map(tuple, (o.outputs[0].token_ids for o in expected)))) > 1
+    assert_pool_free(llm)
