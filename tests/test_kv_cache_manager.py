@@ -1,0 +1,88 @@
+"""Block bookkeeping without a model: exact block ids, ref counts, hash chains."""
+
+from __future__ import annotations
+
+from cpullm.engine.kv_cache_manager import KVCacheManager
+from cpullm.engine.request import Request
+from cpullm.sampling_params import SamplingParams
+
+
+def make_request(request_id: str, tokens: list[int]) -> Request:
+    return Request(request_id, tokens, SamplingParams(), eos_token_ids={0}, max_model_len=1024)
+
+
+def check_invariant(manager: KVCacheManager, *requests: Request) -> None:
+    pool = manager.pool
+    used = {b for r in requests for b in r.block_table}
+    assert pool.num_free + len(used) == pool.num_blocks
+    for block in range(pool.num_blocks):
+        owners = sum(r.block_table.count(block) for r in requests)
+        assert pool.ref_counts[block] == owners
+
+
+def test_allocate_exact_blocks_and_free_lru():
+    manager = KVCacheManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
+    a = make_request("a", list(range(1, 10)))  # 9 tokens -> 3 blocks
+    assert manager.allocate_slots(a, 9)
+    assert a.block_table == [0, 1, 2]
+    b = make_request("b", [7] * 5)
+    assert manager.allocate_slots(b, 5)
+    assert b.block_table == [3, 4]
+    check_invariant(manager, a, b)
+    c = make_request("c", [9] * 8)
+    assert not manager.allocate_slots(c, 8)  # needs 2, one free: nothing taken
+    assert c.block_table == [] and manager.num_free_blocks == 1
+    manager.free(a)  # freed tail first: 2, 1, 0 join the queue behind 5
+    assert list(manager.pool.free_queue) == [5, 2, 1, 0]
+    assert manager.allocate_slots(c, 8)
+    assert c.block_table == [5, 2]
+    check_invariant(manager, b, c)
+
+
+def test_prefix_hash_chain_and_sharing():
+    manager = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(1, 11))  # 10 tokens: 2 full blocks + 2
+    a = make_request("a", prompt)
+    assert manager.find_cached_prefix(a) == []
+    assert manager.allocate_slots(a, 10)
+    a.num_computed_tokens = 10
+    manager.cache_computed_blocks(a, 0)
+    h0 = hash((None, (1, 2, 3, 4)))
+    assert a.block_hashes == [h0, hash((h0, (5, 6, 7, 8)))]
+    assert manager.pool.cached == {a.block_hashes[0]: 0, a.block_hashes[1]: 1}
+
+    b = make_request("b", prompt[:8] + [99, 98, 97])
+    hit = manager.find_cached_prefix(b)
+    assert hit == [0, 1]
+    assert manager.allocate_slots(b, 3, hit)
+    assert b.num_computed_tokens == 8 and b.block_table == [0, 1, 3]
+    assert manager.pool.ref_counts[:4] == [2, 2, 1, 1]
+    check_invariant(manager, a, b)
+
+    # A prompt that is exactly cached still computes its last token.
+    c = make_request("c", prompt[:8])
+    assert manager.find_cached_prefix(c) == [0]
+
+    manager.free(a)
+    manager.free(b)
+    check_invariant(manager)
+    # Freed blocks stay findable until handed out again.
+    d = make_request("d", prompt)
+    assert manager.find_cached_prefix(d) == [0, 1]
+    assert manager.allocate_slots(d, 2, [0, 1])
+    assert manager.pool.ref_counts[0] == 1 and 0 not in manager.pool.free_queue
+    check_invariant(manager, d)
+
+
+def test_eviction_removes_hash():
+    manager = KVCacheManager(num_blocks=2, block_size=4, enable_prefix_caching=True)
+    a = make_request("a", [1, 2, 3, 4, 5])
+    assert manager.allocate_slots(a, 5)
+    a.num_computed_tokens = 5
+    manager.cache_computed_blocks(a, 0)
+    manager.free(a)
+    b = make_request("b", [9] * 8)
+    assert manager.find_cached_prefix(b) == []
+    assert manager.allocate_slots(b, 8)  # takes both blocks, evicting a's cached block
+    assert manager.pool.cached == {}
+    assert manager.find_cached_prefix(make_request("c", [1, 2, 3, 4, 5])) == []
