@@ -26,6 +26,12 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
 
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        llm = cls.__new__(cls)
+        llm.llm_engine = LLMEngine.from_engine_args(engine_args)
+        return llm
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
