@@ -36,6 +36,7 @@ class _Sample:
     cumulative_logprob: float | None
     num_sent_tokens: int = 0
     finish_reason: str | None = None
+    final_sent: bool = False
 
 
 @dataclass
@@ -260,16 +261,23 @@ class LLMEngine:
             text = sample.detokenizer.delta(sample.finish_reason is not None) if delta \
                 else sample.detokenizer.output_text
             start = sample.num_sent_tokens if delta else 0
-            if delta and start == len(request.output_token_ids) and not sample.finish_reason:
-                continue
+            if delta and start == len(request.output_token_ids) and (
+                    sample.finish_reason is None or sample.final_sent):
+                continue  # nothing new for this sample
             sample.num_sent_tokens = len(request.output_token_ids)
+            sample.final_sent = sample.finish_reason is not None
             logprobs = sample.logprobs[start:] if sample.logprobs is not None else None
             completions.append(CompletionOutput(
                 index=sample.index, text=text, token_ids=request.output_token_ids[start:],
                 cumulative_logprob=sample.cumulative_logprob, logprobs=logprobs,
                 finish_reason=sample.finish_reason, stop_reason=request.stop_reason))
-        state.num_cached_tokens = state.samples[0].request.num_cached_tokens
+        first = state.samples[0].request
+        state.num_cached_tokens = first.num_cached_tokens
+        state.metrics = {"arrival_time": first.arrival_time}
+        if first.first_token_time is not None:
+            state.metrics["first_token_time"] = first.first_token_time
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids, prompt_logprobs=state.prompt_logprobs,
-            outputs=completions, finished=finished, num_cached_tokens=state.num_cached_tokens)
+            outputs=completions, finished=finished, num_cached_tokens=state.num_cached_tokens,
+            metrics=dict(state.metrics))

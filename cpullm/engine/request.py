@@ -34,7 +34,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids",
                  "max_model_len", "arrival_time", "output_token_ids", "all_token_ids",
                  "num_computed_tokens", "block_table", "block_hashes", "status", "stop_reason",
-                 "num_cached_tokens", "num_prompt_logprobs_done", "first_token_time")
+                 "num_cached_tokens", "first_token_time")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_ids: set[int],
@@ -56,7 +56,6 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache
-        self.num_prompt_logprobs_done = 0
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,201 @@
+"""AsyncEngine: the engine loop on its own thread, behind asyncio queues.
+
+The HTTP side hands in plain data (request id, prompt token ids, SamplingParams) and reads
+RequestOutputs from a per-request asyncio queue. The engine thread owns the LLMEngine: it
+takes new requests and aborts from a thread-safe inbox between steps, so no engine state
+is touched from two threads. Moving the loop into a worker process later only replaces
+the inbox and the queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cpullm.engine.llm_engine import LLMEngine
+from cpullm.logger import init_logger
+from cpullm.outputs import RequestOutput
+from cpullm.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error; no request can be served."""
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[RequestOutput | BaseException], None]
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class EngineStats:
+    """Scheduler state read by /metrics, refreshed after every step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine,
+                 on_step: Callable[[list[RequestOutput], float], None] | None = None) -> None:
+        self.engine = engine
+        self.on_step = on_step  # called on the engine thread with each step's outputs
+        self.stats = EngineStats()
+        self.dead_error: BaseException | None = None
+        self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
+        self._thread: threading.Thread | None = None
+        self._update_stats()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="cpullm-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes. Cancelling the consumer (a client
+        that went away) aborts the request and frees its KV blocks."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead_error}")
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+        def sink(item: RequestOutput | BaseException) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+        self._inbox.put(_Add(request_id, prompt_token_ids, params, sink))
+        finished = False
+        try:
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._inbox.put(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    # ---- the engine thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            # Block for work only when nothing is running.
+            block = not engine.has_unfinished_requests()
+            try:
+                command = self._inbox.get(block=block)
+            except queue.Empty:
+                command = ...
+            while command is not ...:
+                if command is None:
+                    self._abort_all(EngineDeadError("the server is shutting down"))
+                    return
+                self._apply(command)
+                try:
+                    command = self._inbox.get_nowait()
+                except queue.Empty:
+                    command = ...
+            if not engine.has_unfinished_requests():
+                self._update_stats()  # aborts may have freed blocks
+                continue
+            try:
+                start = time.perf_counter()
+                outputs = engine.step()
+                elapsed = time.perf_counter() - start
+            except Exception as e:  # the engine's state is unknown now: stop serving
+                logger.exception("Engine step failed; failing all requests")
+                self.dead_error = e
+                self._abort_all(EngineDeadError(f"the engine failed: {e!r}"))
+                self._drain_after_death()
+                return
+            self._update_stats()
+            if self.on_step is not None:
+                self.on_step(outputs, elapsed)
+            for output in outputs:
+                sink = self._sinks.get(output.request_id)
+                if sink is not None:
+                    sink(output)
+                if output.finished:
+                    self._sinks.pop(output.request_id, None)
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            self.engine.abort_request(command.request_id)
+            self._sinks.pop(command.request_id, None)
+            return
+        try:
+            self.engine.add_request(command.request_id,
+                                    {"prompt_token_ids": command.prompt_token_ids},
+                                    command.params)
+        except ValueError as e:
+            command.sink(e)
+            return
+        self._sinks[command.request_id] = command.sink
+
+    def _abort_all(self, error: BaseException) -> None:
+        for request_id, sink in list(self._sinks.items()):
+            sink(error)
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # noqa: BLE001 - the engine may be broken; the error is sent
+                pass
+        self._sinks.clear()
+
+    def _drain_after_death(self) -> None:
+        """Answer requests that arrive after a failure instead of leaving them hanging."""
+        while True:
+            command = self._inbox.get()
+            if command is None:
+                return
+            if isinstance(command, _Add):
+                command.sink(EngineDeadError(f"the engine has stopped: {self.dead_error!r}"))
+
+    def _update_stats(self) -> None:
+        scheduler = self.engine.scheduler
+        kv = scheduler.kv_cache_manager
+        self.stats = EngineStats(
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            kv_cache_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
+            num_blocks=kv.pool.num_blocks, num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=kv.num_queries, prefix_cache_hits=kv.num_hits)

@@ -1,0 +1,211 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an AsyncEngine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import cpullm
+from cpullm import envs
+from cpullm.engine.async_engine import AsyncEngine, EngineDeadError
+from cpullm.engine.llm_engine import LLMEngine
+from cpullm.engine_args import EngineArgs
+from cpullm.entrypoints.openai.cli_args import SERVE_DEFAULTS
+from cpullm.entrypoints.openai.metrics import ServerMetrics
+from cpullm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    TokenizeRequest,
+)
+from cpullm.entrypoints.openai.serving_chat import ServingChat
+from cpullm.entrypoints.openai.serving_completion import ServingCompletion
+from cpullm.entrypoints.openai.serving_engine import OpenAIError
+from cpullm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    error = OpenAIError(message, status, param)
+    return JSONResponse(error.body(), status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request.", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"Invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    location = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = location[0] if location else None
+    return f"{'.'.join(location) or 'body'}: {first.get('msg')}", param
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Run the handler, cancelling it (and so aborting its engine requests) if the client
+    goes away first."""
+    task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(_until_disconnected(request))
+    done, _ = await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        listener.cancel()
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return Response(status_code=499)
+
+
+def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+              log_requests: bool = True) -> FastAPI:
+    """The FastAPI app; the caller starts and stops the engine (see ``lifespan``)."""
+    model_config = engine.engine.config.model
+    max_model_len = model_config.max_model_len
+    metrics = ServerMetrics(engine, served_model_name)
+    completions = ServingCompletion(engine, served_model_name, max_model_len, metrics)
+    chat = ServingChat(engine, served_model_name, max_model_len, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="cpullm", version=cpullm.__version__, lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return _error(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return _error(500, str(exc))
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Any]]):
+        if api_key and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization") != f"Bearer {api_key}":
+                return _error(401, "Invalid or missing API key.")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.errored:
+            return _error(500, f"the engine has stopped: {engine.dead_error!r}")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": cpullm.__version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = ModelCard(id=served_model_name, root=str(model_config.source.gguf_path
+                                                        or model_config.source.directory),
+                         max_model_len=max_model_len)
+        return {"object": "list", "data": [card.model_dump()]}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        completions.check_model(body.model)
+        if body.messages is not None:
+            chat_request = ChatCompletionRequest(messages=body.messages,
+                                                 add_generation_prompt=body.add_generation_prompt)
+            tokens = chat.render(chat_request)
+        elif body.prompt is not None:
+            tokens = completions.encode(body.prompt, body.add_special_tokens)
+        else:
+            raise OpenAIError("Either prompt or messages is required.", 400, "prompt")
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        completions.check_model(body.model)
+        if any(not 0 <= t < completions.vocab_size for t in body.tokens):
+            raise OpenAIError(f"Token ids must be in [0, {completions.vocab_size}).", 400,
+                              "tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    async def respond(request: Request, result: dict[str, Any] | AsyncIterator[str]) -> Any:
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Any:
+        if log_requests:
+            logger.info("completion request: n=%d max_tokens=%s stream=%s", body.n,
+                        body.max_tokens, body.stream)
+        return await _cancel_on_disconnect(
+            request, _respond(completions.create(body), request, respond))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
+        if log_requests:
+            logger.info("chat request: %d messages n=%d max_tokens=%s stream=%s",
+                        len(body.messages), body.n,
+                        body.max_completion_tokens or body.max_tokens, body.stream)
+        return await _cancel_on_disconnect(request, _respond(chat.create(body), request, respond))
+
+    return app
+
+
+async def _respond(create: Awaitable[dict[str, Any] | AsyncIterator[str]], request: Request,
+                   respond: Callable[..., Awaitable[Any]]) -> Any:
+    try:
+        return await respond(request, await create)
+    except OpenAIError as e:
+        return JSONResponse(e.body(), status_code=e.status)
+    except EngineDeadError as e:
+        return _error(500, str(e))
+
+
+def run_server(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    start = time.perf_counter()
+    engine_args = EngineArgs.from_cli_args(args, **SERVE_DEFAULTS)
+    llm_engine = LLMEngine.from_engine_args(engine_args)
+    served_name = llm_engine.config.model.served_model_name
+    app = build_app(AsyncEngine(llm_engine), served_name, args.api_key or envs.VLLM_API_KEY,
+                    log_requests=not args.disable_log_requests)
+    logger.info("Engine ready in %.1f s; serving %s on http://%s:%d", time.perf_counter() - start,
+                served_name, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,180 @@
+"""What completions and chat completions share: validation, errors, logprobs, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from cpullm.engine.async_engine import AsyncEngine
+from cpullm.entrypoints.openai.metrics import ServerMetrics
+from cpullm.entrypoints.openai.protocol import Usage, _SamplingFields
+from cpullm.outputs import Logprob, RequestOutput
+from cpullm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's shape with an HTTP status."""
+
+    TYPES = {400: "BadRequestError", 401: "UnauthorizedError", 404: "NotFoundError",
+             413: "RequestEntityTooLargeError", 500: "InternalServerError",
+             503: "ServiceUnavailableError"}
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "Error"),
+                          "param": self.param, "code": self.status}}
+
+    @classmethod
+    def from_value_error(cls, error: ValueError) -> OpenAIError:
+        message = str(error)
+        first = message.split(" ", 1)[0].rstrip(":")
+        return cls(message, 400, first if first.isidentifier() else None)
+
+
+def clamp_logprob(value: float) -> float:
+    """JSON has no -inf; report it as a very low number, as vLLM does."""
+    return max(value, -9999.0)
+
+
+def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    ranked = sorted(entry.items(), key=lambda item: item[1].rank or 0)
+    return [(token, lp) for token, lp in ranked if lp.rank is not None and lp.rank <= k][:k]
+
+
+class ServingBase:
+    def __init__(self, engine: AsyncEngine, served_model_name: str, max_model_len: int,
+                 metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.metrics = metrics
+        self.vocab_size = engine.engine.config.model.vocab_size
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # The Rust tokenizer directly: thread-safe, unlike the Python wrapper's settings.
+        return self.engine.tokenizer.backend_tokenizer.encode(
+            text, add_special_tokens=add_special_tokens).ids
+
+    def check_prompt(self, token_ids: list[int], max_tokens: int | None) -> int:
+        """Validate the prompt length against the context; returns the max_tokens to use."""
+        if not token_ids:
+            raise OpenAIError("The prompt is empty.", 400, "prompt")
+        if max(token_ids) >= self.vocab_size or min(token_ids) < 0:
+            raise OpenAIError(f"Token ids must be in [0, {self.vocab_size}).", 400, "prompt")
+        prompt_len = len(token_ids)
+        if prompt_len >= self.max_model_len:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt has {prompt_len} tokens, which leaves no room for a completion.",
+                400, "prompt")
+        if max_tokens is None:
+            return self.max_model_len - prompt_len
+        if max_tokens < 1:
+            raise OpenAIError(f"max_tokens must be at least 1, got {max_tokens}.", 400,
+                              "max_tokens")
+        if prompt_len + max_tokens > self.max_model_len:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                f"{max_tokens} in the completion). Please reduce the length of the prompt or "
+                "the completion.", 400, "max_tokens")
+        return max_tokens
+
+    def sampling_params(self, request: _SamplingFields, max_tokens: int,
+                        logprobs: int | None) -> SamplingParams:
+        try:
+            params = request.to_sampling_params(max_tokens, logprobs, request.stream)
+        except ValueError as e:
+            raise OpenAIError.from_value_error(e) from None
+        if params.logit_bias and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
+            raise OpenAIError(f"logit_bias: token ids must be in [0, {self.vocab_size}).", 400,
+                              "logit_bias")
+        return params
+
+    async def generate(self, request_id: str, token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one prompt, with latency metrics recorded on the way."""
+        start = last = time.monotonic()
+        first = True
+        num_tokens = 0
+        streaming = params.output_kind == RequestOutputKind.DELTA
+        stream = self.engine.generate(request_id, token_ids, params)
+        try:
+            async for output in stream:
+                now = time.monotonic()
+                new_tokens = sum(len(c.token_ids) for c in output.outputs)
+                if new_tokens and streaming:
+                    if first:
+                        self.metrics.time_to_first_token.observe(now - start)
+                        first = False
+                    else:
+                        self.metrics.inter_token_latency.observe(now - last)
+                    last = now
+                if output.finished and not streaming and "first_token_time" in output.metrics:
+                    self.metrics.time_to_first_token.observe(
+                        output.metrics["first_token_time"] - output.metrics["arrival_time"])
+                num_tokens += new_tokens
+                if output.finished:
+                    self.metrics.record_finished(output, len(token_ids), num_tokens,
+                                                 now - start)
+                yield output
+        except ValueError as e:
+            raise OpenAIError.from_value_error(e) from None
+        finally:
+            await stream.aclose()
+
+
+async def merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several async iterators, tagging each item with its iterator's index."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any] | tuple[int, BaseException] | None] = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item))
+            await queue.put((index, done))
+        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((index, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()  # type: ignore[misc]
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens).model_dump()
+
+
+def sse(data: Any) -> str:
+    import json
+
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
