@@ -46,3 +46,19 @@ def test_chat_answers_paris():
     assert "Paris" in completion.text
     assert completion.finish_reason == "stop"
     assert_pool_free(llm)
+
+
+def test_server_chat_on_default_model():
+    import openai
+    from server_utils import RemoteServer
+
+    server = RemoteServer(["--max-model-len", "1024", "--dtype", "float32"])
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        (model,) = client.models.list().data
+        reply = client.chat.completions.create(model=model.id, messages=QUESTION,
+                                               temperature=0, max_tokens=32)
+        assert "Paris" in reply.choices[0].message.content
+        assert reply.choices[0].finish_reason == "stop"
+    finally:
+        assert server.stop() == 0

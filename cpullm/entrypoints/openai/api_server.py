@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -206,6 +207,9 @@ def run_server(args: argparse.Namespace) -> int:
                     log_requests=not args.disable_log_requests)
     logger.info("Engine ready in %.1f s; serving %s on http://%s:%d", time.perf_counter() - start,
                 served_name, args.host, args.port)
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal to the handler
+    # that was there before it; this one lets the process end with status 0.
+    signal.signal(signal.SIGTERM, lambda *_: logger.info("Shut down on SIGTERM"))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                 timeout_graceful_shutdown=5)
     return 0

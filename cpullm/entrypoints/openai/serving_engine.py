@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from cpullm.engine.async_engine import AsyncEngine
+from cpullm.engine.async_engine import AsyncEngine, EngineDeadError
 from cpullm.entrypoints.openai.metrics import ServerMetrics
 from cpullm.entrypoints.openai.protocol import Usage, _SamplingFields
 from cpullm.outputs import Logprob, RequestOutput
@@ -58,6 +58,9 @@ class ServingBase:
         self.vocab_size = engine.engine.config.model.vocab_size
 
     def check_model(self, model: str | None) -> None:
+        """Refuse a request for another model, or any request once the engine is dead."""
+        if self.engine.errored:
+            raise OpenAIError(f"the engine has stopped: {self.engine.dead_error!r}", 500)
         if model is not None and model != self.served_model_name:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
 
@@ -131,6 +134,8 @@ class ServingBase:
                 yield output
         except ValueError as e:
             raise OpenAIError.from_value_error(e) from None
+        except EngineDeadError as e:
+            raise OpenAIError(str(e), 500) from None
         finally:
             await stream.aclose()
 

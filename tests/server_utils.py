@@ -1,0 +1,78 @@
+"""Start the real ``cpullm serve`` as a subprocess on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RemoteServer:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None,
+                 timeout: float = 120.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cpullm.entrypoints.cli", "serve", *args,
+             "--port", str(self.port), "--uvicorn-log-level", "warning"],
+            env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        self._wait_healthy(timeout)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.proc.stdout.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError("server did not become healthy")
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics").text
+        values = {}
+        for line in text.splitlines():
+            match = re.match(r'^([\w:]+)(?:\{[^}]*\})? ([-\d.e+]+)$', line)
+            if match:
+                values[match.group(1)] = values.get(match.group(1), 0.0) + float(match.group(2))
+        return values
+
+    def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
+        """Wait until no request runs and every KV block is free again."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+                    and m["cpullm:kv_cache_free_blocks"] == m["cpullm:kv_cache_total_blocks"]):
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"server not idle: {m}")
+            time.sleep(0.1)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
