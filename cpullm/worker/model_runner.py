@@ -16,6 +16,7 @@ from cpullm.config import EngineConfig
 from cpullm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from cpullm.model_executor.layers.attention import AttentionMetadata
 from cpullm.model_executor.loader import get_model
+from cpullm.platform.memory import tune_malloc
 from cpullm.worker.sampler import LogprobsLists, Sampler, SamplingBatch, compute_logprobs
 
 
@@ -33,6 +34,7 @@ class ModelRunnerOutput:
 class ModelRunner:
     def __init__(self, config: EngineConfig, eos_token_ids: set[int]) -> None:
         self.config = config
+        tune_malloc()
         model_config = config.model
         self.block_size = config.cache.block_size
         self.sliding_window = model_config.sliding_window

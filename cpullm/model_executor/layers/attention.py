@@ -58,9 +58,7 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
-            query = q[:nd].unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
-            out[:nd] = self._attend(query, key_cache, value_cache, meta.decode_block_tables,
-                                    meta.decode_mask).squeeze(2)
+            out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta)
         if nd < q.shape[0]:
             num_prefills = meta.prefill_block_tables.shape[0]
             max_q = meta.prefill_max_query_len
@@ -73,6 +71,24 @@ class PagedAttention(nn.Module):
             out[nd:] = result.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)[
                 meta.prefill_query_index]
         return out
+
+    def _decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """One query per request: two batched matmuls per KV head group. For a single query
+        row this is several times faster than the flash kernel of SDPA on CPU."""
+        num_seqs = q.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        # [num_seqs, max_len, num_kv_heads, head_dim]
+        keys = key_cache[meta.decode_block_tables].view(num_seqs, -1, self.num_kv_heads,
+                                                        self.head_dim)
+        values = value_cache[meta.decode_block_tables].view(num_seqs, -1, self.num_kv_heads,
+                                                            self.head_dim)
+        query = q.view(num_seqs, self.num_kv_heads, group, self.head_dim)
+        scores = torch.einsum("skgd,stkd->skgt", query, keys)  # [seqs, kv_heads, group, len]
+        scores = (scores.float() * self.scale).masked_fill_(~meta.decode_mask, float("-inf"))
+        probs = scores.softmax(dim=-1).to(q.dtype)
+        out = torch.einsum("skgt,stkd->skgd", probs, values)
+        return out.reshape(num_seqs, self.num_heads, self.head_dim)
 
     def _attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 block_tables: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
