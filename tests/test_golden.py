@@ -88,3 +88,16 @@ def test_prefix_cache_hits_give_same_tokens(tiny_model):
         o.outputs[0].token_ids for o in expected]
     assert len(set(map(tuple, (o.outputs[0].token_ids for o in expected)))) > 1
     assert_pool_free(llm)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_kernels_equal_enforce_eager(tiny_model, arch):
+    model_dir = str(tiny_model(arch))
+    prompts = make_prompts(2048)
+    compiled = LLM(model_dir, dtype="float32", block_size=32)
+    eager = LLM(model_dir, dtype="float32", block_size=32, enforce_eager=True)
+    assert compiled.llm_engine.model_runner.model.model.layers[0].self_attn.attn.ops is not None
+    assert eager.llm_engine.model_runner.model.model.layers[0].self_attn.attn.ops is None
+    got = [o.outputs[0].token_ids for o in compiled.generate(prompts, GREEDY, use_tqdm=False)]
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == expected

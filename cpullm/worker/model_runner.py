@@ -130,8 +130,11 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping),
             num_decode_tokens=nd,
-            decode_block_tables=torch.from_numpy(block_tables[:nd, :decode_blocks]),
+            decode_block_tables=torch.from_numpy(
+                np.ascontiguousarray(block_tables[:nd, :decode_blocks])),
             decode_mask=torch.from_numpy(decode_mask)[:, None, None, :],
+            decode_seq_lens=torch.from_numpy(seq_lens[:nd]),
+            sliding_window=self.sliding_window or 0,
             prefill_block_tables=torch.from_numpy(block_tables[nd:, :prefill_blocks]),
             prefill_query_index=torch.from_numpy(prefill_query_index),
             prefill_max_query_len=max_q,

@@ -18,6 +18,7 @@ loop over requests.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,8 @@ class AttentionMetadata:
     num_decode_tokens: int  # the first num_decode_tokens tokens are single-query requests
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_seq_lens: torch.Tensor  # [num_decodes] context length including the new token
+    sliding_window: int  # 0: attend to the whole context
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks]
     prefill_query_index: torch.Tensor  # [num_prefill_tokens] index into [num_prefills * max_q]
     prefill_max_query_len: int
@@ -39,8 +42,10 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 ops: ModuleType | None = None) -> None:
         super().__init__()
+        self.ops = ops  # compiled kernels, or None for plain torch ops
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
@@ -57,7 +62,12 @@ class PagedAttention(nn.Module):
 
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
-        if nd:
+        if nd and self.ops is not None:
+            # Reads each sequence's blocks in place: no gather, no padding.
+            self.ops.decode_attention(out[:nd], q[:nd], key_cache, value_cache,
+                                      meta.decode_block_tables, meta.decode_seq_lens,
+                                      self.scale, meta.sliding_window)
+        elif nd:
             out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta)
         if nd < q.shape[0]:
             num_prefills = meta.prefill_block_tables.shape[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -23,8 +24,10 @@ def _rope_parameters(hf_config: Any) -> dict[str, Any]:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to max_position, computed once."""
 
-    def __init__(self, hf_config: Any, head_dim: int, max_position: int) -> None:
+    def __init__(self, hf_config: Any, head_dim: int, max_position: int,
+                 ops: ModuleType | None = None) -> None:
         super().__init__()
+        self.ops = ops
         params = _rope_parameters(hf_config)
         rope_type = params["rope_type"]
         if rope_type not in _STATIC_ROPE_TYPES:
@@ -47,7 +50,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
+        """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim].
+        The compiled kernel rotates q and k in place and returns them."""
+        if self.ops is not None:
+            self.ops.rotary_embedding(positions, q, k, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -8,6 +8,7 @@ Hugging Face's, except that q/k/v and gate/up are merged (see ``stacked_params``
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from cpullm.model_executor.loader.weights import load_named_weights
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool, dtype: torch.dtype) -> None:
+                 qk_norm: bool, dtype: torch.dtype, ops: ModuleType | None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -41,7 +42,7 @@ class LlamaAttention(nn.Module):
         self.qk_norm = qk_norm
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_kv_heads,
-                                   scale=self.head_dim ** -0.5)
+                                   scale=self.head_dim ** -0.5, ops=ops)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -71,9 +72,9 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, rotary: RotaryEmbedding, flags: dict[str, bool],
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, ops: ModuleType | None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, dtype=dtype, **flags)
+        self.self_attn = LlamaAttention(config, rotary, dtype=dtype, ops=ops, **flags)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size,
                             getattr(config, "mlp_bias", False), dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
@@ -94,13 +95,13 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, max_position: int, flags: dict[str, bool],
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, ops: ModuleType | None) -> None:
         super().__init__()
         head_dim = (getattr(config, "head_dim", None)
                     or config.hidden_size // config.num_attention_heads)
-        rotary = RotaryEmbedding(config, head_dim, max_position)
+        rotary = RotaryEmbedding(config, head_dim, max_position, ops)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, flags, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, flags, dtype, ops)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
@@ -126,10 +127,12 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
 
-    def __init__(self, config: Any, max_position: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, max_position: int, dtype: torch.dtype,
+                 ops: ModuleType | None = None) -> None:
+        """``ops``: the compiled CPU kernels, or None for plain torch ops (enforce_eager)."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, max_position, self.layer_flags(config), dtype)
+        self.model = LlamaModel(config, max_position, self.layer_flags(config), dtype, ops)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

@@ -1,0 +1,199 @@
+// Hot CPU kernels of cpullm: paged decode attention and rotary embedding.
+//
+// Built on first use by torch.utils.cpp_extension (cpullm/model_executor/layers/ops.py);
+// the Python side falls back to plain torch ops when no compiler is available. All math
+// is in float32 whatever the storage type (float, bfloat16, half).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+template <typename T>
+inline float to_f(T v) { return static_cast<float>(v); }
+
+// dst[0:n] = float(src[0:n]); n is a multiple of 16 on the vector path.
+template <typename T>
+inline void load_row(float* dst, const T* src, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = to_f(src[d]);
+}
+
+#if defined(__AVX512F__)
+template <>
+inline void load_row<c10::BFloat16>(float* dst, const c10::BFloat16* src, int64_t n) {
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    // bfloat16 is the upper half of a float32: widen and shift.
+    __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
+    __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16);
+    _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(wide));
+  }
+  for (; d < n; ++d) dst[d] = to_f(src[d]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t d = 0;
+  __m512 acc = _mm512_setzero_ps();
+  for (; d + 16 <= n; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+  float sum = _mm512_reduce_add_ps(acc);
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+inline void axpy(float* y, float alpha, const float* x, int64_t n) {
+  int64_t d = 0;
+  const __m512 va = _mm512_set1_ps(alpha);
+  for (; d + 16 <= n; d += 16)
+    _mm512_storeu_ps(y + d, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + d), _mm512_loadu_ps(y + d)));
+  for (; d < n; ++d) y[d] += alpha * x[d];
+}
+#else
+inline float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.f;
+  for (int64_t d = 0; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+inline void axpy(float* y, float alpha, const float* x, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) y[d] += alpha * x[d];
+}
+#endif
+
+// out[s, h, :] = softmax(q[s, h, :] . K[s, :, kvh, :]^T * scale) @ V[s, :, kvh, :]
+// where K/V of sequence s are read in place from its blocks:
+//   token t lives at key_cache[block_tables[s, t / block_size], t % block_size, kvh, :]
+template <typename T>
+void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, double scale, int64_t window) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const int64_t q_stride = q.stride(0);  // q may be a view into the fused QKV output
+  const T* kp = key_cache.data_ptr<T>();
+  const T* vp = value_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t token_stride = num_kv_heads * head_dim;   // between slots of a block
+  const int64_t block_stride = block_size * token_stride;  // between blocks
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(group * head_dim), acc(group * head_dim), scores;
+    std::vector<float> key(head_dim), value(head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
+      const int64_t len = lens[s];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = qp + s * q_stride + (kvh * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = to_f(src[d]) * fscale;
+      }
+      scores.assign(group * n, 0.f);
+      for (int64_t t = first; t < len; ++t) {
+        const T* k = kp + bt[s * max_blocks + t / block_size] * block_stride +
+                     (t % block_size) * token_stride + kvh * head_dim;
+        load_row(key.data(), k, head_dim);
+        for (int64_t g = 0; g < group; ++g)
+          scores[g * n + (t - first)] = dot(query.data() + g * head_dim, key.data(), head_dim);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* row = scores.data() + g * n;
+        const float mx = *std::max_element(row, row + n);
+        float sum = 0.f;
+        for (int64_t i = 0; i < n; ++i) { row[i] = std::exp(row[i] - mx); sum += row[i]; }
+        const float inv = 1.f / sum;
+        for (int64_t i = 0; i < n; ++i) row[i] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = first; t < len; ++t) {
+        const T* v = vp + bt[s * max_blocks + t / block_size] * block_stride +
+                     (t % block_size) * token_stride + kvh * head_dim;
+        load_row(value.data(), v, head_dim);
+        for (int64_t g = 0; g < group; ++g)
+          axpy(acc.data() + g * head_dim, scores[g * n + (t - first)], value.data(), head_dim);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* dst = op + (s * num_heads + kvh * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[g * head_dim + d]);
+      }
+    }
+  });
+}
+
+void decode_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
+                      at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                      int64_t window) {
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "decode_attention: bad q layout");
+  TORCH_CHECK(out.is_contiguous() && key_cache.is_contiguous() &&
+              value_cache.is_contiguous() && block_tables.is_contiguous() &&
+              seq_lens.is_contiguous(), "decode_attention: contiguous tensors expected");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+    decode_attention_impl<scalar_t>(out, q, key_cache, value_cache, block_tables, seq_lens,
+                                    scale, window);
+  });
+}
+
+// In place, rotate-half layout: x = x * cos + rotate_half(x) * sin, per head.
+// cos/sin: [max_position, head_dim] float32; x: [num_tokens, num_heads, head_dim].
+template <typename T>
+void rotary_one(T* x, int64_t token_stride, const int64_t* positions, const float* cos,
+                const float* sin, int64_t tokens, int64_t heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + positions[t] * head_dim;
+      const float* s = sin + positions[t] * head_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = x + t * token_stride + h * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_f(v[i]), x2 = to_f(v[i + half]);
+          // Products rounded as the unfused ops round them, then added.
+          const T a = static_cast<T>(x1 * to_f(static_cast<T>(c[i])));
+          const T b = static_cast<T>(-x2 * to_f(static_cast<T>(s[i])));
+          const T e = static_cast<T>(x2 * to_f(static_cast<T>(c[i + half])));
+          const T f = static_cast<T>(x1 * to_f(static_cast<T>(s[i + half])));
+          v[i] = static_cast<T>(to_f(a) + to_f(b));
+          v[i + half] = static_cast<T>(to_f(e) + to_f(f));
+        }
+      }
+    }
+  });
+}
+
+void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos,
+                      at::Tensor sin) {
+  for (const at::Tensor* x : {&q, &k})
+    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2),
+                "rotary_embedding: heads must be contiguous within a token");
+  TORCH_CHECK(positions.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
+              "rotary_embedding: contiguous tables expected");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary", [&] {
+    rotary_one<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), positions.data_ptr<int64_t>(),
+                         cos.data_ptr<float>(), sin.data_ptr<float>(), q.size(0), q.size(1),
+                         q.size(2));
+    rotary_one<scalar_t>(k.data_ptr<scalar_t>(), k.stride(0), positions.data_ptr<int64_t>(),
+                         cos.data_ptr<float>(), sin.data_ptr<float>(), k.size(0), k.size(1),
+                         k.size(2));
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "paged attention, one query per sequence");
+  m.def("rotary_embedding", &rotary_embedding, "rotate-half rotary embedding, in place");
+}
