@@ -6,11 +6,13 @@ changes them. Derived values are properties.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from cpullm.platform.binding import BindingPlan
+from cpullm.platform.topology import CpuTopology
 from cpullm.transformers_utils import ModelSource
 
 
@@ -64,6 +66,17 @@ class ModelConfig:
             return None
         return getattr(self.hf_config, "sliding_window", None)
 
+    def weight_bytes(self) -> int:
+        """Memory the weights take in the compute dtype (Llama-family layout)."""
+        c = self.hf_config
+        hidden, inter = c.hidden_size, c.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter + 2 * hidden
+        embeddings = self.vocab_size * hidden * (1 if getattr(c, "tie_word_embeddings", False)
+                                                 else 2)
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return (self.num_layers * per_layer + embeddings + hidden) * element
+
     def kv_bytes_per_token(self) -> int:
         """K and V of one token over all layers, in bytes."""
         element = torch.tensor([], dtype=self.dtype).element_size()
@@ -100,6 +113,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    # Which CPUs each rank computes on, and the machine the plan was made for.
+    binding: BindingPlan = field(default_factory=lambda: BindingPlan("nobind", ()))
+    topology: CpuTopology | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):

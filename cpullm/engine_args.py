@@ -12,24 +12,13 @@ import torch
 from cpullm import envs
 from cpullm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from cpullm.logger import init_logger
-from cpullm.platform import resolve_dtype
+from cpullm.platform import CpuTopology, format_cpu_list, plan_binding, resolve_dtype
 from cpullm.transformers_utils import DEFAULT_MODEL_NAME, load_hf_config, resolve_model
 
 logger = init_logger(__name__)
 
 GiB = 1 << 30
 _DEFAULT_KV_CACHE_SPACE = 4 * GiB  # vLLM CPU's default when VLLM_CPU_KVCACHE_SPACE is unset
-
-
-def _mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 @dataclass
@@ -94,12 +83,21 @@ class EngineArgs:
         return cls(**values)
 
     def create_engine_config(self) -> EngineConfig:
+        topology = CpuTopology.detect()
+        topology.info.check_supported()
+        logger.info("CPU: %s (%s), %d sockets, %d cores, %d logical CPUs, %d NUMA nodes; "
+                    "this process may use CPUs %s", topology.info.model_name,
+                    topology.info.vendor, topology.num_sockets, topology.num_physical_cores,
+                    len(topology.cpus), len(topology.nodes),
+                    format_cpu_list(sorted(topology.allowed)))
+        logger.info("ISA features: %s", ", ".join(topology.info.features) or "none of note")
         source = resolve_model(self.model)
         hf_config = load_hf_config(source)
         model_dtype = getattr(hf_config, "dtype", None)
         if isinstance(model_dtype, str):
             model_dtype = getattr(torch, model_dtype, None)
-        dtype = resolve_dtype(self.dtype, model_dtype)
+        dtype = resolve_dtype(self.dtype, model_dtype, topology.info)
+        logger.info("dtype: %s (asked: %s)", str(dtype).removeprefix("torch."), self.dtype)
 
         max_position = getattr(hf_config, "max_position_embeddings", None) or 2048
         max_model_len = self.max_model_len or max_position
@@ -117,30 +115,41 @@ class EngineArgs:
             seed=self.seed, tokenizer=self.tokenizer, chat_template=chat_template,
             served_model_name=self.served_model_name or (self.model or DEFAULT_MODEL_NAME),
             enforce_eager=self.enforce_eager)
+        ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
+                       self.data_parallel_size)  # validates the sizes before planning
+        binding = plan_binding(topology, envs.VLLM_CPU_OMP_THREADS_BIND,
+                               self.tensor_parallel_size * self.pipeline_parallel_size,
+                               envs.VLLM_CPU_NUM_OF_RESERVED_CPU, envs.CPU_VISIBLE_MEMORY_NODES)
+        logger.info("Thread binding %s", binding.describe())
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                                  self.data_parallel_size)
+                                  self.data_parallel_size, binding, topology)
         scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len)
-        cache = CacheConfig(self.block_size, self._num_kv_blocks(model_config),
+        cache = CacheConfig(self.block_size, self._num_kv_blocks(model_config, parallel),
                             self.enable_prefix_caching)
         return EngineConfig(model_config, cache, scheduler, parallel)
 
-    def _num_kv_blocks(self, model_config: ModelConfig) -> int:
+    def _num_kv_blocks(self, model_config: ModelConfig, parallel: ParallelConfig) -> int:
         if self.block_size <= 0 or self.block_size % 32:
             raise ValueError(f"block_size must be a positive multiple of 32, got {self.block_size}")
         block_bytes = model_config.kv_bytes_per_token() * self.block_size
         blocks_per_seq = math.ceil(model_config.max_model_len / self.block_size)
+        weights = model_config.weight_bytes()
+        available = _available_memory(parallel)
         if self.kv_cache_memory_bytes is not None:
             budget, origin = self.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
         elif envs.VLLM_CPU_KVCACHE_SPACE:
             budget, origin = int(envs.VLLM_CPU_KVCACHE_SPACE * GiB), "VLLM_CPU_KVCACHE_SPACE"
         else:
-            # No more than the scheduler could ever fill, nor half of the free memory.
-            budget = min(_DEFAULT_KV_CACHE_SPACE,
-                         self.max_num_seqs * blocks_per_seq * block_bytes)
-            available = _mem_available()
-            if available is not None:
-                budget = min(budget, available // 2)
+            # vLLM CPU's 4 GiB, but no more than the scheduler could ever fill, nor half of
+            # what the NUMA nodes in use have left after the weights.
+            budget = min(_DEFAULT_KV_CACHE_SPACE, self.max_num_seqs * blocks_per_seq * block_bytes,
+                         max(0, available - weights) // 2)
             origin = "default"
+        if weights + budget > available:
+            raise ValueError(
+                f"the weights ({weights / GiB:.2f} GiB) and the KV cache ({budget / GiB:.2f} GiB, "
+                f"{origin}) need {(weights + budget) / GiB:.2f} GiB, but the NUMA node(s) in use "
+                f"have {available / GiB:.2f} GiB available; lower the KV cache size")
         num_blocks = budget // block_bytes
         if num_blocks < blocks_per_seq:
             raise ValueError(
@@ -154,3 +163,12 @@ class EngineArgs:
                     num_blocks, self.block_size, num_blocks / blocks_per_seq,
                     model_config.max_model_len)
         return num_blocks
+
+
+def _available_memory(parallel: ParallelConfig) -> int:
+    """Free memory of the NUMA nodes the compute threads run on (all nodes when unbound)."""
+    topology = parallel.topology
+    assert topology is not None
+    cpus = {c for rank in parallel.binding.rank_cpus for c in rank}
+    nodes = {topology.node_of(c) for c in cpus} if cpus else {n.node for n in topology.nodes}
+    return sum(n.mem_available for n in topology.nodes if n.node in nodes)

@@ -47,6 +47,13 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return run_chat(engine_args, _sampling_params(args), args.message, args.system)
 
 
+def _cmd_env(args: argparse.Namespace) -> int:
+    from cpullm.entrypoints.env_report import collect
+
+    print(collect(EngineArgs.from_cli_args(args, **OFFLINE_DEFAULTS)))
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from cpullm.entrypoints.openai.api_server import run_server
 
@@ -76,14 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(chat)
     commands["chat"] = _cmd_chat
 
-    try:
-        from cpullm.entrypoints.openai.cli_args import add_serve_args
-    except ImportError:
-        add_serve_args = None
-    if add_serve_args is not None:
-        serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-        add_serve_args(serve)
-        commands["serve"] = _cmd_serve
+    from cpullm.entrypoints.openai.cli_args import add_serve_args
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_serve_args(serve)
+    commands["serve"] = _cmd_serve
+
+    env = sub.add_parser("env", help="print the platform, configuration and library versions")
+    env.add_argument("--model", default=None)
+    EngineArgs.add_cli_args(env)
+    commands["env"] = _cmd_env
 
     parser.set_defaults(_commands=commands)
     return parser

@@ -1,4 +1,4 @@
-"""CPU facts from /proc/cpuinfo and the dtype policy built on them."""
+"""CPU facts from /proc/cpuinfo and the dtype and ISA policies built on them."""
 
 from __future__ import annotations
 
@@ -15,23 +15,53 @@ _FP16_FALLBACK_WARNING = (
     "Your device 'cpu' doesn't support torch.float16. "
     "Falling back to torch.bfloat16 for compatibility."
 )
+# ISA features that change what cpullm can do fast, in the order they are reported.
+X86_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16",
+                "amx_int8")
+ARM_FEATURES = ("asimd", "sve", "sve2", "bf16", "fphp", "i8mm")
 
 
 @dataclass(frozen=True)
 class CpuInfo:
     """Facts about the CPU, parsed from a /proc/cpuinfo text."""
 
-    vendor: str
+    vendor: str  # GenuineIntel, AuthenticAMD, ARM or unknown
     model_name: str
     flags: frozenset[str]
 
     @property
+    def is_x86(self) -> bool:
+        return self.vendor in ("GenuineIntel", "AuthenticAMD") or "avx" in self.flags \
+            or "sse2" in self.flags
+
+    @property
+    def is_arm(self) -> bool:
+        return self.vendor == "ARM"
+
+    @property
+    def features(self) -> list[str]:
+        """The ISA features that matter, present on this CPU."""
+        wanted = ARM_FEATURES if self.is_arm else X86_FEATURES
+        return [f for f in wanted if f in self.flags]
+
+    @property
     def supports_fast_bf16(self) -> bool:
-        return bool({"avx512_bf16", "amx_bf16"} & self.flags) or "bf16" in self.flags
+        return bool({"avx512_bf16", "amx_bf16"} & self.flags) or (
+            self.is_arm and "bf16" in self.flags)
 
     @property
     def supports_fast_fp16(self) -> bool:
-        return bool({"avx512_fp16", "amx_fp16"} & self.flags) or "fphp" in self.flags
+        return bool({"avx512_fp16", "amx_fp16"} & self.flags) or (
+            self.is_arm and "fphp" in self.flags)
+
+    def check_supported(self) -> None:
+        """Refuse x86 CPUs without AVX2; warn when AVX2 is all there is."""
+        if not self.is_x86:
+            return
+        if "avx2" not in self.flags:
+            raise RuntimeError(f"cpullm needs a CPU with AVX2; {self.model_name} has none")
+        if "avx512f" not in self.flags:
+            logger.warning("This CPU has AVX2 but no AVX-512: performance is limited")
 
     @classmethod
     def parse(cls, text: str) -> CpuInfo:
@@ -67,14 +97,14 @@ _DTYPES = {
 
 def resolve_dtype(requested: str | torch.dtype, model_dtype: torch.dtype | None,
                   info: CpuInfo | None = None) -> torch.dtype:
-    """Pick the compute dtype: ``auto`` means the checkpoint's dtype (bfloat16 when the
-    checkpoint is float32 or unknown, as vLLM CPU does), float16 falls back to bfloat16
-    where this CPU has no fast float16."""
+    """Pick the compute dtype: ``auto`` means bfloat16 first (the checkpoint's float16
+    included, by the float16 rule below), float16 falls back to bfloat16 where this CPU
+    has no fast float16, with vLLM's warning."""
     info = info or cpu_info()
     if isinstance(requested, torch.dtype):
         dtype = requested
     elif requested == "auto":
-        dtype = model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        dtype = model_dtype if model_dtype == torch.float16 else torch.bfloat16
     elif requested in _DTYPES:
         dtype = _DTYPES[requested]
     else:

@@ -7,6 +7,8 @@ scheduler state, so it can move into a worker process behind the same contract.
 
 from __future__ import annotations
 
+import mmap
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,9 +17,24 @@ import torch
 from cpullm.config import EngineConfig
 from cpullm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from cpullm.model_executor.layers.attention import AttentionMetadata
+from cpullm.logger import init_logger
+from cpullm.model_executor.layers.ops import load_ops
 from cpullm.model_executor.loader import get_model
+from cpullm.platform.affinity import bind_compute_threads, prefer_local_memory
 from cpullm.platform.memory import tune_malloc
 from cpullm.worker.sampler import LogprobsLists, Sampler, SamplingBatch, compute_logprobs
+
+
+logger = init_logger(__name__)
+
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor in its own anonymous mapping: the kernel hands out zeroed pages on first
+    touch, so a large cache costs neither a memset at startup nor resident memory until it
+    is used. Zero matters: attention reads padding slots (masked), and garbage there could
+    be NaN, which a mask does not remove."""
+    nbytes = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, max(nbytes, 1))
+    return torch.frombuffer(buffer, dtype=dtype, count=torch.Size(shape).numel()).view(shape)
 
 
 @dataclass
@@ -39,17 +56,31 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.sliding_window = model_config.sliding_window
         self.model = get_model(model_config)
-        # [2, num_blocks, block_size, num_kv_heads, head_dim] per layer. Zeroed: padding
-        # slots are read (and masked) by attention, and garbage there could be NaN.
-        self.kv_caches = [
-            torch.zeros(2, config.cache.num_blocks, self.block_size, model_config.num_kv_heads,
-                        model_config.head_dim, dtype=model_config.dtype)
-            for _ in range(model_config.num_layers)]
+        shape = (2, config.cache.num_blocks, self.block_size, model_config.num_kv_heads,
+                 model_config.head_dim)  # per layer
+        self.kv_caches = [_zeroed(shape, model_config.dtype)
+                          for _ in range(model_config.num_layers)]
         self.sampler = Sampler(model_config.vocab_size, eos_token_ids)
         self.generators: dict[str, torch.Generator] = {}
+        self._bound_thread: int | None = None
+
+    def _bind_threads(self) -> None:
+        """Pin the compute threads of the thread that runs the model (OpenMP keeps one
+        pool per calling thread, so this happens on the first step of each thread)."""
+        self._bound_thread = threading.get_ident()
+        parallel = self.config.parallel
+        if parallel.binding.mode == "nobind" or parallel.topology is None:
+            return
+        cpus = list(parallel.binding.rank_cpus[0])
+        got = bind_compute_threads(cpus, load_ops())
+        prefer_local_memory(parallel.topology, cpus)
+        logger.info("Compute threads pinned: %s", ", ".join(
+            f"thread {i} -> CPU {cpu}" for i, cpu in enumerate(got)))
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self._bound_thread != threading.get_ident():
+            self._bind_threads()
         for request_id in scheduler_output.finished_request_ids:
             self.generators.pop(request_id, None)
         if not scheduler_output.scheduled:

@@ -34,6 +34,7 @@ from cpullm.entrypoints.openai.serving_chat import ServingChat
 from cpullm.entrypoints.openai.serving_completion import ServingCompletion
 from cpullm.entrypoints.openai.serving_engine import OpenAIError
 from cpullm.logger import init_logger
+from cpullm.platform.affinity import bind_frontend_thread
 
 logger = init_logger(__name__)
 
@@ -203,6 +204,7 @@ def run_server(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args, **SERVE_DEFAULTS)
     llm_engine = LLMEngine.from_engine_args(engine_args)
     served_name = llm_engine.config.model.served_model_name
+    bind_frontend_thread(list(llm_engine.config.parallel.binding.reserved_cpus))
     app = build_app(AsyncEngine(llm_engine), served_name, args.api_key or envs.VLLM_API_KEY,
                     log_requests=not args.disable_log_requests)
     logger.info("Engine ready in %.1f s; serving %s on http://%s:%d", time.perf_counter() - start,

@@ -1,0 +1,46 @@
+"""KV cache size from the flag, the environment variable, or the default."""
+
+from __future__ import annotations
+
+import pytest
+
+from cpullm.engine_args import EngineArgs
+
+BLOCK_BYTES = 32 * 512  # tiny llama in float32: 512 bytes of K and V per token
+
+
+def blocks(model_dir, **kwargs) -> int:
+    args = EngineArgs(model=str(model_dir), dtype="float32", block_size=32, max_model_len=256,
+                      **kwargs)
+    return args.create_engine_config().cache.num_blocks
+
+
+def test_flag_env_and_default(tiny_model, monkeypatch):
+    model = tiny_model("llama")
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert blocks(model, kv_cache_memory_bytes=1 << 20) == (1 << 20) // BLOCK_BYTES
+    # default: what max_num_seqs requests at max_model_len can use, no more
+    assert blocks(model, max_num_seqs=4) == 4 * 8
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.001")
+    assert blocks(model) == int(0.001 * 2**30) // BLOCK_BYTES
+    assert blocks(model, kv_cache_memory_bytes=1 << 20) == 64  # the flag wins
+
+
+def test_too_small_for_one_request_is_refused(tiny_model):
+    with pytest.raises(ValueError, match=r"holds 3 blocks .* needs 8 blocks"):
+        blocks(tiny_model("llama"), kv_cache_memory_bytes=3 * BLOCK_BYTES)
+
+
+def test_more_than_memory_is_refused(tiny_model):
+    with pytest.raises(ValueError, match="GiB available"):
+        blocks(tiny_model("llama"), kv_cache_memory_bytes=1 << 50)
+
+
+def test_bad_environment_values(tiny_model, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "lots")
+    with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE"):
+        blocks(tiny_model("llama"))
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-999")
+    with pytest.raises(ValueError, match="do not exist"):
+        blocks(tiny_model("llama"))
