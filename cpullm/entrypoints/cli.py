@@ -54,6 +54,22 @@ def _cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench == "throughput":
+        from cpullm.benchmarks.offline import run_throughput
+
+        run_throughput(args)
+    elif args.bench == "latency":
+        from cpullm.benchmarks.offline import run_latency
+
+        run_latency(args)
+    else:
+        from cpullm.benchmarks.serve import run_serve_bench
+
+        run_serve_bench(args)
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from cpullm.entrypoints.openai.api_server import run_server
 
@@ -88,6 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_serve_args(serve)
     commands["serve"] = _cmd_serve
+
+    from cpullm.benchmarks.offline import add_latency_args, add_throughput_args
+    from cpullm.benchmarks.serve import add_serve_bench_args
+
+    bench = sub.add_parser("bench", help="measure throughput and latency")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    add_throughput_args(bench_sub.add_parser("throughput", help="offline batch throughput"))
+    add_latency_args(bench_sub.add_parser("latency", help="latency of one batch"))
+    add_serve_bench_args(bench_sub.add_parser("serve", help="load an OpenAI-compatible server"))
+    commands["bench"] = _cmd_bench
 
     env = sub.add_parser("env", help="print the platform, configuration and library versions")
     env.add_argument("--model", default=None)

@@ -115,10 +115,13 @@ class Sampler:
         if bool((min_p > 0).any()):
             threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
-        noise = torch.empty_like(probs).exponential_()
+        # Exp(1) noise as -log(U): torch's uniform sampler is several times faster than its
+        # exponential one (47 -> 8 ms for 64 x 49152 on 2 cores).
+        noise = torch.rand_like(probs)
         for row, generator in enumerate(batch.generators):
             if generator is not None:
-                noise[row].exponential_(generator=generator)
+                noise[row] = torch.rand(probs.shape[1], generator=generator)
+        noise.log_().neg_()
         return (probs / noise).argmax(dim=-1)
 
 

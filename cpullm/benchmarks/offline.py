@@ -1,0 +1,105 @@
+"""``cpullm bench throughput`` and ``cpullm bench latency``: the offline engine, measured."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from cpullm.benchmarks.datasets import add_dataset_args, sample_requests
+from cpullm.engine_args import EngineArgs
+from cpullm.entrypoints.llm import LLM
+from cpullm.sampling_params import SamplingParams
+
+OFFLINE_DEFAULTS = dict(max_num_seqs=256, max_num_batched_tokens=4096)
+
+
+def add_throughput_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None)
+    add_dataset_args(parser, with_seed=False)
+    parser.add_argument("--output-json", default=None)
+    EngineArgs.add_cli_args(parser)
+
+
+def run_throughput(args: argparse.Namespace) -> dict[str, float]:
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, **OFFLINE_DEFAULTS))
+    engine = llm.llm_engine
+    requests = sample_requests(args, llm.get_tokenizer(), engine.config.model.max_model_len)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=r.output_len)
+              for r in requests]
+    kv = engine.scheduler.kv_cache_manager
+    queries, hits = kv.num_queries, kv.num_hits
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    total = prompt_tokens + output_tokens
+    result = {
+        "elapsed_time": elapsed,
+        "num_requests": len(requests),
+        "total_num_tokens": total,
+        "requests_per_second": len(requests) / elapsed,
+        "tokens_per_second": total / elapsed,
+        "output_tokens_per_second": output_tokens / elapsed,
+        "prefix_cache_hit_rate": ((kv.num_hits - hits) / max(1, kv.num_queries - queries)),
+    }
+    print(f"Throughput: {result['requests_per_second']:.2f} requests/s, "
+          f"{result['tokens_per_second']:.2f} total tokens/s, "
+          f"{result['output_tokens_per_second']:.2f} output tokens/s")
+    print(f"Total num prompt tokens: {prompt_tokens}\nTotal num output tokens: {output_tokens}\n"
+          f"Prefix cache hit rate: {100 * result['prefix_cache_hit_rate']:.1f}%")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=4)
+    return result
+
+
+def add_latency_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--num-iters-warmup", type=int, default=10)
+    parser.add_argument("--num-iters", type=int, default=30)
+    parser.add_argument("--output-json", default=None)
+    EngineArgs.add_cli_args(parser)
+
+
+def run_latency(args: argparse.Namespace) -> dict[str, object]:
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, **OFFLINE_DEFAULTS))
+    rng = np.random.default_rng(args.seed)
+    vocab = llm.llm_engine.config.model.vocab_size
+    params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True,
+                            max_tokens=args.output_len)
+
+    def once() -> float:
+        # Fresh prompts every iteration: the prefix cache must not hide the prompt's cost.
+        prompts = [{"prompt_token_ids": rng.integers(100, vocab, args.input_len).tolist()}
+                   for _ in range(args.batch_size)]
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    for _ in tqdm(range(args.num_iters_warmup), desc="Warmup iterations"):
+        once()
+    latencies = np.array([once() for _ in tqdm(range(args.num_iters), desc="Profiling iterations")])
+    percentiles = [10, 25, 50, 75, 90, 99]
+    values = np.percentile(latencies, percentiles)
+    print(f"Avg latency: {latencies.mean():.4f} seconds")
+    for p, v in zip(percentiles, values, strict=True):
+        print(f"{p}% percentile latency: {v:.4f} seconds")
+    tokens = args.batch_size * args.output_len
+    print(f"Decode throughput: {tokens / latencies.mean():.1f} output tokens/s")
+    result: dict[str, object] = {
+        "avg_latency": float(latencies.mean()), "latencies": latencies.tolist(),
+        "percentiles": {str(p): float(v) for p, v in zip(percentiles, values, strict=True)},
+        "output_tokens_per_second": tokens / float(latencies.mean())}
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=4)
+    return result

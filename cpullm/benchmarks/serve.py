@@ -1,0 +1,161 @@
+"""``cpullm bench serve``: load any OpenAI-compatible server (cpullm's or vLLM's) and report
+TTFT, TPOT, ITL and end-to-end latency, and throughput, the way ``vllm bench serve`` does."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+from tqdm.auto import tqdm
+
+from cpullm.benchmarks.datasets import BenchRequest, add_dataset_args, sample_requests
+
+
+def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--endpoint", default="/v1/completions")
+    parser.add_argument("--model", default=None,
+                        help="model name sent to the server (default: its first model)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="local tokenizer folder or GGUF file (default: the default model's)")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="requests per second (Poisson arrivals); inf sends all at once")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    parser.add_argument("--save-result", action="store_true")
+    parser.add_argument("--result-dir", default=".")
+    parser.add_argument("--result-filename", default=None)
+    add_dataset_args(parser, num_prompts=200)
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, request: BenchRequest,
+               headers: dict[str, str]) -> RequestResult:
+    result = RequestResult(prompt_len=len(request.prompt_token_ids))
+    body = {"model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len,
+            "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            if response.status_code != 200:
+                result.error = (await response.aread()).decode(errors="replace")
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+        result.e2e = time.perf_counter() - start
+        result.success = True
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        result.error = repr(e)
+    return result
+
+
+async def _run(args: argparse.Namespace, requests: list[BenchRequest], model: str
+               ) -> tuple[list[RequestResult], float]:
+    url = args.base_url.rstrip("/") + args.endpoint
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limit = asyncio.Semaphore(args.max_concurrency or len(requests))
+    rng = random.Random(args.seed)
+    bar = tqdm(total=len(requests), desc="Requests")
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None)) as client:
+        async def limited(request: BenchRequest) -> RequestResult:
+            async with limit:
+                result = await _one(client, url, model, request, headers)
+            bar.update(1)
+            return result
+
+        start = time.perf_counter()
+        tasks = []
+        for request in requests:
+            tasks.append(asyncio.create_task(limited(request)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    bar.close()
+    return list(results), duration
+
+
+def _stats(name: str, values_s: list[float]) -> dict[str, float]:
+    ms = np.array(values_s) * 1000 if values_s else np.zeros(1)
+    return {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
+            f"std_{name}_ms": float(ms.std()), f"p99_{name}_ms": float(np.percentile(ms, 99))}
+
+
+def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from cpullm.transformers_utils import load_tokenizer, resolve_model
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = args.model or httpx.get(args.base_url.rstrip("/") + "/v1/models",
+                                    headers=headers).json()["data"][0]["id"]
+    tokenizer = load_tokenizer(resolve_model(args.tokenizer))
+    requests = sample_requests(args, tokenizer)
+    results, duration = asyncio.run(_run(args, requests, model))
+    ok = [r for r in results if r.success]
+    if not ok:
+        raise RuntimeError(f"every request failed; first error: {results[0].error}")
+    input_tokens = sum(r.prompt_len for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    result: dict[str, Any] = {
+        "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+        "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
+        **_stats("ttft", [r.ttft for r in ok]), **_stats("tpot", tpots),
+        **_stats("itl", [x for r in ok for x in r.itl]), **_stats("e2el", [r.e2e for r in ok]),
+    }
+    print(f"{' Serving Benchmark Result ':=^60}")
+    for label, key in (("Successful requests", "completed"), ("Failed requests", "failed"),
+                       ("Benchmark duration (s)", "duration"),
+                       ("Total input tokens", "total_input_tokens"),
+                       ("Total generated tokens", "total_output_tokens"),
+                       ("Request throughput (req/s)", "request_throughput"),
+                       ("Output token throughput (tok/s)", "output_throughput"),
+                       ("Total token throughput (tok/s)", "total_token_throughput")):
+        value = result[key]
+        print(f"{label:<45}{value:>15.2f}" if isinstance(value, float)
+              else f"{label:<45}{value:>15}")
+    for metric, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token"),
+                          ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        print(f"{' ' + title + ' ':-^60}")
+        for stat in ("mean", "median", "p99"):
+            print(f"{stat.capitalize() + ' ' + metric.upper() + ' (ms):':<45}"
+                  f"{result[f'{stat}_{metric}_ms']:>15.2f}")
+    if args.save_result:
+        name = args.result_filename or f"cpullm-serve-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        with open(os.path.join(args.result_dir, name), "w") as f:
+            json.dump(result, f, indent=4)
+    return result

@@ -1,0 +1,72 @@
+"""The bench commands run a tiny workload end to end and write valid JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from server_utils import RemoteServer
+
+CLI = [sys.executable, "-m", "cpullm.entrypoints.cli", "bench"]
+ENGINE = ["--dtype", "float32", "--block-size", "32", "--max-model-len", "256"]
+
+
+def run(args: list[str]) -> str:
+    result = subprocess.run(CLI + args, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_bench_throughput(tiny_model, tmp_path):
+    out = tmp_path / "throughput.json"
+    stdout = run(["throughput", "--model", str(tiny_model("llama")), *ENGINE, "--num-prompts",
+                  "6", "--random-input-len", "20", "--random-output-len", "8",
+                  "--random-range-ratio", "0.5", "--output-json", str(out)])
+    assert "Throughput:" in stdout
+    result = json.loads(out.read_text())
+    assert result["num_requests"] == 6
+    assert result["total_num_tokens"] > 6 * 8 * 0.5
+    assert result["tokens_per_second"] > result["output_tokens_per_second"] > 0
+    assert {"elapsed_time", "requests_per_second"} <= set(result)
+
+
+def test_bench_throughput_sharegpt(tiny_model, tmp_path):
+    data = [{"conversations": [{"from": "human", "value": f"Tell me about number {i}, please."},
+                               {"from": "gpt", "value": "It is a fine number, I think so."}]}
+            for i in range(5)]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    out = tmp_path / "result.json"
+    run(["throughput", "--model", str(tiny_model("llama")), *ENGINE, "--dataset-name",
+         "sharegpt", "--dataset-path", str(path), "--num-prompts", "3", "--output-json",
+         str(out)])
+    assert json.loads(out.read_text())["num_requests"] == 3
+
+
+def test_bench_latency(tiny_model, tmp_path):
+    out = tmp_path / "latency.json"
+    stdout = run(["latency", "--model", str(tiny_model("llama")), *ENGINE, "--input-len", "8",
+                  "--output-len", "4", "--batch-size", "2", "--num-iters-warmup", "1",
+                  "--num-iters", "3", "--output-json", str(out)])
+    assert "Avg latency" in stdout
+    result = json.loads(out.read_text())
+    assert len(result["latencies"]) == 3 and result["avg_latency"] > 0
+    assert set(result["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
+
+
+def test_bench_serve(tiny_model, tmp_path):
+    model = str(tiny_model("llama"))
+    server = RemoteServer([model, *ENGINE])
+    try:
+        stdout = run(["serve", "--base-url", server.url, "--tokenizer", model,
+                      "--num-prompts", "5", "--random-input-len", "16",
+                      "--random-output-len", "6", "--max-concurrency", "2", "--save-result",
+                      "--result-dir", str(tmp_path), "--result-filename", "serve.json"])
+    finally:
+        server.stop()
+    assert "Serving Benchmark Result" in stdout
+    result = json.loads((tmp_path / "serve.json").read_text())
+    assert result["completed"] == 5 and result["failed"] == 0
+    assert result["total_output_tokens"] == 5 * 6
+    assert result["mean_ttft_ms"] > 0 and result["p99_itl_ms"] > 0
