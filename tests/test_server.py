@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
+import time
 
 import httpx
 import openai
@@ -151,16 +153,24 @@ def test_32_concurrent_streams(server, model_dir, offline):
 
 
 def test_client_disconnects_free_blocks(server, model_dir):
+    before_success = server.metrics().get("vllm:request_success_total", 0)
     body = {"model": model_dir, "prompt": PROMPTS[0], "max_tokens": 480, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
-    # Non-streaming: the client gives up before the answer.
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{server.url}/v1/completions", timeout=0.5,
-                   json={**body, "stream": False})
+    # Non-streaming: the client hangs up while its request is running.
+    payload = json.dumps({**body, "stream": False, "n": 4}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as raw:
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                    b"application/json\r\nContent-Length: %d\r\n\r\n%s"
+                    % (len(payload), payload))
+        deadline = time.monotonic() + 10
+        while server.metrics()["vllm:num_requests_running"] == 0:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.01)
     m = server.wait_idle()
+    assert m.get("vllm:request_success_total", 0) == before_success  # aborted, not finished
     assert m["vllm:kv_cache_usage_perc"] == 0.0
     ok = httpx.post(f"{server.url}/v1/completions",
                     json={"model": model_dir, "prompt": "hi", "max_tokens": 3})
