@@ -58,6 +58,44 @@ inline void axpy(float* y, float alpha, const float* x, int64_t n) {
     _mm512_storeu_ps(y + d, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + d), _mm512_loadu_ps(y + d)));
   for (; d < n; ++d) y[d] += alpha * x[d];
 }
+
+// e^x for 16 floats: 2^(x log2 e) split into 2^n * 2^f, |f| <= 1/2, with 2^f from its
+// Taylor series to degree 6 (relative error about 1e-7).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381608e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// row[0:n] = softmax(row[0:n]) in place.
+inline void softmax(float* row, int64_t n) {
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + i));
+  float mx = _mm512_reduce_max_ps(vmax);
+  for (; i < n; ++i) mx = std::max(mx, row[i]);
+  const __m512 vm = _mm512_set1_ps(mx);
+  __m512 vsum = _mm512_setzero_ps();
+  for (i = 0; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + i), vm));
+    _mm512_storeu_ps(row + i, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  float sum = _mm512_reduce_add_ps(vsum);
+  for (; i < n; ++i) { row[i] = std::exp(row[i] - mx); sum += row[i]; }
+  const __m512 inv = _mm512_set1_ps(1.f / sum);
+  for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_loadu_ps(row + i), inv));
+  for (; i < n; ++i) row[i] *= 1.f / sum;
+}
 #else
 inline float dot(const float* a, const float* b, int64_t n) {
   float sum = 0.f;
@@ -67,6 +105,71 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 inline void axpy(float* y, float alpha, const float* x, int64_t n) {
   for (int64_t d = 0; d < n; ++d) y[d] += alpha * x[d];
+}
+
+inline void softmax(float* row, int64_t n) {
+  const float mx = *std::max_element(row, row + n);
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) { row[i] = std::exp(row[i] - mx); sum += row[i]; }
+  for (int64_t i = 0; i < n; ++i) row[i] *= 1.f / sum;
+}
+#endif
+
+// Scores of one query group against every key of one KV head of one sequence:
+// scores[g * n + (t - first)] = q_g . k_t * scale.
+template <typename T>
+inline void group_scores(float* scores, const float* query, float scale, const T* kp,
+                         const int64_t* bt,
+                         int64_t first, int64_t len, int64_t group, int64_t head_dim,
+                         int64_t block_size, int64_t block_stride, int64_t token_stride,
+                         float* key) {
+  const int64_t n = len - first;
+  for (int64_t t = first; t < len; ++t) {
+    const T* k = kp + bt[t / block_size] * block_stride + (t % block_size) * token_stride;
+    load_row(key, k, head_dim);
+    for (int64_t g = 0; g < group; ++g)
+      scores[g * n + (t - first)] = dot(query + g * head_dim, key, head_dim) * scale;
+  }
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 keys: dot products straight from the cache with the BF16 dot-product instruction
+// (pairs of bfloat16 products summed into float32), no conversion of the keys.
+template <>
+inline void group_scores<c10::BFloat16>(float* scores, const float* query, float scale,
+                                        const c10::BFloat16* kp, const int64_t* bt,
+                                        int64_t first, int64_t len, int64_t group,
+                                        int64_t head_dim, int64_t block_size,
+                                        int64_t block_stride, int64_t token_stride, float* key) {
+  if (head_dim % 32 != 0 || head_dim > 256) {
+    const int64_t n = len - first;
+    for (int64_t t = first; t < len; ++t) {
+      const c10::BFloat16* k = kp + bt[t / block_size] * block_stride +
+                               (t % block_size) * token_stride;
+      load_row(key, k, head_dim);
+      for (int64_t g = 0; g < group; ++g)
+        scores[g * n + (t - first)] = dot(query + g * head_dim, key, head_dim) * scale;
+    }
+    return;
+  }
+  const int64_t n = len - first, chunks = head_dim / 32;
+  // The query holds bfloat16 values widened to float: narrowing them back is exact.
+  std::vector<__m512bh> q(group * chunks);
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* src = query + g * head_dim + c * 32;
+      q[g * chunks + c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+    }
+  for (int64_t t = first; t < len; ++t) {
+    const c10::BFloat16* k = kp + bt[t / block_size] * block_stride +
+                             (t % block_size) * token_stride;
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c)
+        acc = _mm512_dpbf16_ps(acc, q[g * chunks + c], (__m512bh)_mm512_loadu_si512(k + c * 32));
+      scores[g * n + (t - first)] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
 }
 #endif
 
@@ -102,24 +205,13 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       const int64_t n = len - first;
       for (int64_t g = 0; g < group; ++g) {
         const T* src = qp + s * q_stride + (kvh * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = to_f(src[d]) * fscale;
+        for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = to_f(src[d]);
       }
       scores.assign(group * n, 0.f);
-      for (int64_t t = first; t < len; ++t) {
-        const T* k = kp + bt[s * max_blocks + t / block_size] * block_stride +
-                     (t % block_size) * token_stride + kvh * head_dim;
-        load_row(key.data(), k, head_dim);
-        for (int64_t g = 0; g < group; ++g)
-          scores[g * n + (t - first)] = dot(query.data() + g * head_dim, key.data(), head_dim);
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* row = scores.data() + g * n;
-        const float mx = *std::max_element(row, row + n);
-        float sum = 0.f;
-        for (int64_t i = 0; i < n; ++i) { row[i] = std::exp(row[i] - mx); sum += row[i]; }
-        const float inv = 1.f / sum;
-        for (int64_t i = 0; i < n; ++i) row[i] *= inv;
-      }
+      group_scores(scores.data(), query.data(), fscale, kp + kvh * head_dim, bt + s * max_blocks,
+                   first, len, group, head_dim, block_size, block_stride, token_stride,
+                   key.data());
+      for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * n, n);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = first; t < len; ++t) {
         const T* v = vp + bt[s * max_blocks + t / block_size] * block_stride +
