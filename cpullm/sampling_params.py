@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -40,12 +40,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # Filled by the engine: the model's end-of-sequence ids (eos plus generation config).
-    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,7 +52,6 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
-        self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:

@@ -101,3 +101,26 @@ def test_kernels_equal_enforce_eager(tiny_model, arch):
     got = [o.outputs[0].token_ids for o in compiled.generate(prompts, GREEDY, use_tqdm=False)]
     expected = [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == expected
+
+
+def test_bfloat16_close_to_eager_and_float32(tiny_model):
+    """bfloat16 (compiled kernels, prepacked GEMMs) against bfloat16 eager torch ops: close
+    logprobs; against float32: the same favourite token at almost every position."""
+    model_dir = str(tiny_model("llama"))
+    prompts = make_prompts(2048)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=5)
+
+    def favourites(llm):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [min(entry.items(), key=lambda kv: kv[1].rank)
+                for o in outputs for entry in o.prompt_logprobs[1:]]
+
+    bf16 = LLM(model_dir, dtype="bfloat16", block_size=32)
+    assert bf16.llm_engine.model_runner.model.model.layers[0].mlp.gate_up_proj.packed is not None
+    fast = favourites(bf16)
+    eager = favourites(LLM(model_dir, dtype="bfloat16", block_size=32, enforce_eager=True))
+    fp32 = favourites(LLM(model_dir, dtype="float32", block_size=32))
+    same_as_eager = [(a, b) for a, b in zip(fast, eager, strict=True) if a[0] == b[0]]
+    assert len(same_as_eager) / len(fast) > 0.95
+    assert max(abs(a[1].logprob - b[1].logprob) for a, b in same_as_eager) < 0.3
+    assert sum(a[0] == b[0] for a, b in zip(fast, fp32, strict=True)) / len(fast) > 0.9

@@ -102,9 +102,10 @@ def test_logprobs_match_model_distribution(llm):
         assert len(entry) == 3  # the chosen token is also the top-1
         ranked = sorted(entry.values(), key=lambda lp: lp.rank)
         assert [lp.rank for lp in ranked] == [1, 2, 3]
-        assert all(a.logprob >= b.logprob for a, b in zip(ranked, ranked[1:]))
+        assert all(a.logprob >= b.logprob for a, b in zip(ranked, ranked[1:], strict=False))
     assert completion.cumulative_logprob == pytest.approx(
-        sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs)))
+        sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs,
+                                         strict=True)))
     prompt_lps = output.prompt_logprobs
     assert len(prompt_lps) == len(output.prompt_token_ids) and prompt_lps[0] is None
     for token, entry in zip(output.prompt_token_ids[1:], prompt_lps[1:], strict=True):

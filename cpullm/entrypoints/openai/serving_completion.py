@@ -27,7 +27,8 @@ class ServingCompletion(ServingBase):
             raise OpenAIError("The prompt is empty.", 400, "prompt")
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]  # type: ignore[arg-type]
-        return [self.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        return [self.encode(p) if isinstance(p, str) else list(p)  # type: ignore[arg-type]
+                for p in prompt]
 
     async def create(self, request: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         self.check_model(request.model)
@@ -111,7 +112,10 @@ class ServingCompletion(ServingBase):
 
     def _logprobs(self, entries: list[tuple[int, dict[int, Logprob] | None]], k: int,
                   offset: int) -> dict[str, Any]:
-        tokens, token_logprobs, top, offsets = [], [], [], []
+        tokens: list[str | None] = []
+        token_logprobs: list[float | None] = []
+        top: list[dict[str | None, float] | None] = []
+        offsets: list[int] = []
         decode = self.engine.tokenizer.decode
         for token_id, entry in entries:
             text = entry[token_id].decoded_token if entry else decode([token_id])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from cpullm.engine.async_engine import AsyncEngine, EngineDeadError
@@ -106,7 +106,7 @@ class ServingBase:
         return params
 
     async def generate(self, request_id: str, token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs for one prompt, with latency metrics recorded on the way."""
         start = last = time.monotonic()
         first = True

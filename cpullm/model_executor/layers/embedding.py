@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpullm.model_executor.layers.linear import pack_linear_weight, packed_linear
+
 
 class VocabEmbedding(nn.Module):
     """Token embedding table [vocab_size, hidden_size]; also the LM head when tied."""
@@ -20,5 +22,15 @@ class VocabEmbedding(nn.Module):
 class LMHead(VocabEmbedding):
     """Projects hidden states to vocabulary logits."""
 
+    packed: torch.Tensor | None = None
+
+    def process_weights_after_loading(self, prepack: bool) -> None:
+        """A oneDNN-packed copy for bfloat16/float16 (the weight itself may be shared with
+        the embedding table, which needs the plain layout)."""
+        if prepack and self.weight.dtype in (torch.bfloat16, torch.float16):
+            self.packed = pack_linear_weight(self.weight.data)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(hidden, self.packed, None)
         return F.linear(hidden, self.weight)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -9,6 +10,7 @@ from torch import nn
 
 from cpullm.config import ModelConfig
 from cpullm.logger import init_logger
+from cpullm.model_executor.layers.linear import LinearBase
 from cpullm.model_executor.layers.ops import load_ops
 from cpullm.model_executor.loader.gguf_loader import iterate_gguf
 from cpullm.model_executor.loader.safetensors_loader import iterate_safetensors
@@ -29,7 +31,11 @@ def get_model(config: ModelConfig) -> nn.Module:
         weights = iterate_safetensors(source.directory)
     with torch.no_grad():
         model.load_weights(weights)  # type: ignore[operator]
+        for module in model.modules():
+            if hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading(prepack=ops is not None)
     model.eval()
+    _log_gemm_paths(model, config.dtype)
     num_params = sum(p.numel() for p in model.parameters())
     logger.info("Loaded %s (%s, %.1fM parameters, %s, %s) in %.2f s", config.architecture,
                 source.gguf_file or source.directory, num_params / 1e6,
@@ -37,3 +43,20 @@ def get_model(config: ModelConfig) -> nn.Module:
                 "compiled kernels" if ops is not None else "eager torch ops",
                 time.perf_counter() - start)
     return model
+
+
+def _log_gemm_paths(model: nn.Module, dtype: torch.dtype) -> None:
+    """With VLLM_LOGGING_LEVEL=DEBUG: the GEMM backend behind every linear layer."""
+    if not logger.isEnabledFor(logging.DEBUG):
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase):
+            if module.packed is not None:
+                path = "oneDNN matmul, prepacked weight"
+            elif dtype == torch.float32 and torch.backends.mkl.is_available():
+                path = "MKL sgemm"
+            else:
+                path = "ATen linear"
+            logger.debug("%s: %s [%d -> %d] %s via %s", name, type(module).__name__,
+                         module.input_size, module.output_size,
+                         str(dtype).removeprefix("torch."), path)

@@ -66,5 +66,6 @@ def iterate_gguf(path: str, num_heads: int, num_kv_heads: int
                 array = _unpermute(array, num_heads)
             elif name.endswith("k_proj.weight"):
                 array = _unpermute(array, num_kv_heads)
-        # A fresh writable array: torch refuses read-only memory (the file is mmapped).
-        yield name, torch.from_numpy(np.array(array, dtype=np.float32, copy=not array.flags.writeable))
+        # A writable array: torch refuses read-only memory (the file is memory-mapped).
+        array = np.array(array, dtype=np.float32, copy=not array.flags.writeable)
+        yield name, torch.from_numpy(array)

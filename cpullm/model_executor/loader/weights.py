@@ -22,7 +22,7 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     params = dict(model.named_parameters())
     expected: dict[str, set[str | int | None]] = {name: {None} for name in params}
     for name in params:
-        for merged, shard in stacked_params.values():
+        for merged, _ in stacked_params.values():
             if f".{merged}." in name:
                 expected[name] = {s for m, s in stacked_params.values() if m == merged}
     loaded: dict[str, set[str | int | None]] = {name: set() for name in params}
