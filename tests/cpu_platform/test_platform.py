@@ -77,18 +77,20 @@ def test_dtype_policy(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("name,kwargs,ranks,reserved", [
-    ("xeon-1s-ht", dict(), ["0-7"], ""),
-    ("xeon-1s-ht", dict(num_reserved=1), ["0-6"], "7"),
-    ("xeon-2s", dict(), ["0-3"], ""),
+    ("xeon-1s-ht", dict(), ["0-6"], "7"),  # one core per rank kept for the front-end
+    ("xeon-1s-ht", dict(num_reserved=0), ["0-7"], ""),
+    ("xeon-1s-ht", dict(num_reserved=2), ["0-5"], "6,7"),
+    ("xeon-2s", dict(), ["0-2"], "3"),
     ("xeon-2s", dict(num_ranks=2), ["0-2", "4-6"], "3,7"),
     ("xeon-2s", dict(num_ranks=2, num_reserved=0), ["0-3", "4-7"], ""),
     ("xeon-2s", dict(num_ranks=2, visible_nodes="1,0"), ["4-6", "0-2"], "7,3"),
-    ("xeon-2s", dict(visible_nodes="1"), ["4-7"], ""),
+    ("xeon-2s", dict(visible_nodes="1", num_reserved=0), ["4-7"], ""),
     ("xeon-2s", dict(num_ranks=4, num_reserved=0), ["0-1", "2-3", "4-5", "6-7"], ""),
+    ("xeon-2s", dict(num_ranks=4), ["0-1", "2-3", "4-5", "6-7"], ""),  # 2 cores: none kept
     ("container", dict(), ["2-3"], ""),
     ("container", dict(num_ranks=2, num_reserved=0), ["2-3", "4-5"], ""),
-    ("zen4", dict(), ["0-7"], ""),
-    ("arm", dict(), ["0-3"], ""),
+    ("zen4", dict(), ["0-6"], "7"),
+    ("arm", dict(), ["0-2"], "3"),
 ])
 def test_auto_plans(tmp_path, name, kwargs, ranks, reserved):
     plan = plan_binding(machine(tmp_path, name), "auto", **kwargs)
