@@ -115,6 +115,9 @@ class EngineArgs:
             seed=self.seed, tokenizer=self.tokenizer, chat_template=chat_template,
             served_model_name=self.served_model_name or (self.model or DEFAULT_MODEL_NAME),
             enforce_eager=self.enforce_eager)
+        from cpullm.model_executor.models import get_model_class  # (models import the loader)
+
+        get_model_class(model_config.architecture)  # an unsupported one fails here, by name
         ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                        self.data_parallel_size)  # validates the sizes before planning
         binding = plan_binding(topology, envs.VLLM_CPU_OMP_THREADS_BIND,

@@ -124,3 +124,16 @@ def test_bfloat16_close_to_eager_and_float32(tiny_model):
     assert len(same_as_eager) / len(fast) > 0.95
     assert max(abs(a[1].logprob - b[1].logprob) for a, b in same_as_eager) < 0.3
     assert sum(a[0] == b[0] for a, b in zip(fast, fp32, strict=True)) / len(fast) > 0.9
+
+
+def test_unsupported_architecture_is_named(tmp_path, tokenizer_dir):
+    import shutil
+
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2,
+               architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, tmp_path / name)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*not supported"):
+        LLM(str(tmp_path), dtype="float32", block_size=32, max_model_len=64)
