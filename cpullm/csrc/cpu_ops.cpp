@@ -1,4 +1,5 @@
-// Hot CPU kernels of cpullm: paged decode attention and rotary embedding.
+// Hot CPU kernels of cpullm: paged decode attention, rotary embedding, and bfloat16
+// RMSNorm and SiLU-mul.
 //
 // Built on first use by torch.utils.cpp_extension (cpullm/model_executor/layers/ops.py);
 // the Python side falls back to plain torch ops when no compiler is available. All math
@@ -364,6 +365,88 @@ void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tens
   });
 }
 
+
+#if defined(__AVX512BF16__)
+// 16 bfloat16 <-> 16 float32; the narrowing rounds to nearest even, as torch does.
+inline __m512 bf16x16_load(const c10::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void bf16x16_store(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline __m512 bf16_round(__m512 v) {  // float32 -> nearest bfloat16 -> float32
+  __m256i raw = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// bfloat16 RMSNorm: with a residual, residual = x + residual and x = norm(residual) * w,
+// in place; without, out = norm(x) * w. Rounds where the unfused torch ops round.
+void rms_norm_bf16(at::Tensor out, at::Tensor x, c10::optional<at::Tensor> residual,
+                   at::Tensor weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && out.is_contiguous() &&
+              weight.is_contiguous(), "rms_norm_bf16: contiguous bfloat16 tensors expected");
+  const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  TORCH_CHECK(dim % 16 == 0, "rms_norm_bf16: hidden size must be a multiple of 16");
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  c10::BFloat16* rp = residual.has_value() ? residual->data_ptr<c10::BFloat16>() : nullptr;
+  const c10::BFloat16* wp = weight.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      __m512 sq = _mm512_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 16) {
+        __m512 v = bf16x16_load(xp + r * dim + d);
+        if (rp != nullptr) {
+          v = bf16_round(_mm512_add_ps(v, bf16x16_load(rp + r * dim + d)));
+          bf16x16_store(rp + r * dim + d, v);
+        }
+        _mm512_storeu_ps(buf.data() + d, v);
+        sq = _mm512_fmadd_ps(v, v, sq);
+      }
+      const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(dim) +
+                                        static_cast<float>(eps));
+      const __m512 vinv = _mm512_set1_ps(inv);
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m512 normed = bf16_round(_mm512_mul_ps(_mm512_loadu_ps(buf.data() + d), vinv));
+        bf16x16_store(op + r * dim + d, _mm512_mul_ps(bf16x16_load(wp + d), normed));
+      }
+    }
+  });
+}
+
+// bfloat16 out[r, :d] = silu(x[r, :d]) * x[r, d:], rounding like silu() then mul.
+void silu_and_mul_bf16(at::Tensor out, at::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && out.is_contiguous(),
+              "silu_and_mul_bf16: contiguous bfloat16 tensors expected");
+  const int64_t d = out.size(-1), rows = out.numel() / d;
+  TORCH_CHECK(d % 16 == 0, "silu_and_mul_bf16: width must be a multiple of 16");
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t i = 0; i < d; i += 16) {
+        const __m512 g = bf16x16_load(xp + r * 2 * d + i);
+        const __m512 u = bf16x16_load(xp + r * 2 * d + d + i);
+        const __m512 act = bf16_round(
+            _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+        bf16x16_store(op + r * d + i, _mm512_mul_ps(act, u));
+      }
+    }
+  });
+}
+#endif
+
+bool has_bf16_kernels() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Pin torch's intra-op threads one per CPU: thread i of the pool runs on cpus[i]. With as
 // many items as threads, at::parallel_for hands item i to thread i.
 std::vector<int64_t> bind_threads(std::vector<int64_t> cpus) {
@@ -386,5 +469,10 @@ std::vector<int64_t> bind_threads(std::vector<int64_t> cpus) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged attention, one query per sequence");
   m.def("bind_threads", &bind_threads, "pin intra-op threads, one per CPU");
+  m.def("has_bf16_kernels", &has_bf16_kernels, "whether the bfloat16 kernels below exist");
+#if defined(__AVX512BF16__)
+  m.def("rms_norm_bf16", &rms_norm_bf16, "bfloat16 RMSNorm, optionally fused with the residual add");
+  m.def("silu_and_mul_bf16", &silu_and_mul_bf16, "bfloat16 silu(gate) * up");
+#endif
   m.def("rotary_embedding", &rotary_embedding, "rotate-half rotary embedding, in place");
 }

@@ -37,8 +37,8 @@ class LlamaAttention(nn.Module):
                                   self.num_kv_heads, bias=qkv_bias, dtype=dtype)
         self.o_proj = ReplicatedLinear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, ops)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, ops)
         self.qk_norm = qk_norm
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_kv_heads,
@@ -59,12 +59,12 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, ops: ModuleType | None) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate_size] * 2, bias=bias,
                                                dtype=dtype)
         self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -76,10 +76,10 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary, dtype=dtype, ops=ops, **flags)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size,
-                            getattr(config, "mlp_bias", False), dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
-                                                dtype=dtype)
+                            getattr(config, "mlp_bias", False), dtype, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
+                                                ops)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, kv_cache: torch.Tensor,
@@ -103,7 +103,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, flags, dtype, ops)
                                     for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:

@@ -1,0 +1,73 @@
+"""The compiled CPU kernels against the torch ops they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cpullm.model_executor.layers.ops import load_ops
+from cpullm.platform import cpu_info
+
+ops = load_ops()
+needs_bf16 = pytest.mark.skipif(not cpu_info().supports_fast_bf16,
+                                reason="the bfloat16 kernels need AVX512-BF16")
+
+
+def test_kernels_build():
+    assert ops is not None, "the C++ kernels did not build (is a C++ compiler installed?)"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_sdpa(dtype):
+    torch.manual_seed(0)
+    seqs, heads, kv_heads, dim, block, blocks = 5, 6, 2, 64, 32, 40
+    key_cache = torch.randn(blocks, block, kv_heads, dim, dtype=dtype)
+    value_cache = torch.randn(blocks, block, kv_heads, dim, dtype=dtype)
+    tables = torch.randperm(blocks)[:seqs * 4].view(seqs, 4).contiguous()
+    lens = torch.tensor([1, 31, 32, 77, 128])
+    q = torch.randn(seqs, heads, dim, dtype=dtype)
+    out = torch.empty_like(q)
+    ops.decode_attention(out, q, key_cache, value_cache, tables, lens, dim ** -0.5, 0)
+    keys = key_cache[tables].view(seqs, -1, kv_heads, dim).transpose(1, 2).float()
+    values = value_cache[tables].view(seqs, -1, kv_heads, dim).transpose(1, 2).float()
+    mask = (torch.arange(4 * block)[None] < lens[:, None])[:, None, None, :]
+    expected = F.scaled_dot_product_attention(q.unsqueeze(2).float(), keys, values,
+                                              attn_mask=mask, enable_gqa=True).squeeze(2)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out.float(), expected, atol=tolerance)
+
+
+def test_rotary_matches_torch():
+    from types import SimpleNamespace
+
+    from cpullm.model_executor.layers.rotary import RotaryEmbedding
+
+    config = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    eager, kernel = RotaryEmbedding(config, 64, 256), RotaryEmbedding(config, 64, 256, ops)
+    positions = torch.tensor([0, 5, 77, 255])
+    qkv = torch.randn(4, (6 + 2 * 2) * 64)  # q and k are strided views, as in the model
+    q, k = qkv[:, :384].view(4, 6, 64), qkv[:, 384:512].view(4, 2, 64)
+    expected_q, expected_k = eager(positions, q.clone(), k.clone())
+    got_q, got_k = kernel(positions, q, k)
+    assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_bf16_norm_and_silu_are_bit_identical(rows):
+    from cpullm.model_executor.layers.activation import SiluAndMul
+    from cpullm.model_executor.layers.norm import RMSNorm
+
+    torch.manual_seed(rows)
+    norm_eager = RMSNorm(576, 1e-5, torch.bfloat16)
+    norm_kernel = RMSNorm(576, 1e-5, torch.bfloat16, ops)
+    norm_kernel.weight.data = norm_eager.weight.data = torch.randn(576, dtype=torch.bfloat16)
+    x, residual = torch.randn(rows, 576, dtype=torch.bfloat16), torch.randn(
+        rows, 576, dtype=torch.bfloat16)
+    expected, expected_residual = norm_eager(x.clone(), residual.clone())
+    got, got_residual = norm_kernel(x.clone(), residual.clone())
+    assert torch.equal(got, expected) and torch.equal(got_residual, expected_residual)
+    assert torch.equal(norm_kernel(x), norm_eager(x))
+    gate_up = torch.randn(rows, 3072, dtype=torch.bfloat16) * 4
+    assert torch.equal(SiluAndMul(ops)(gate_up), SiluAndMul()(gate_up))
