@@ -31,12 +31,12 @@ def get_model(config: ModelConfig) -> nn.Module:
         weights = iterate_safetensors(source.directory)
     with torch.no_grad():
         model.load_weights(weights)  # type: ignore[operator]
+        num_params = sum(p.numel() for p in model.parameters())  # before any repacking
         for module in model.modules():
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading(prepack=ops is not None)
     model.eval()
     _log_gemm_paths(model, config.dtype)
-    num_params = sum(p.numel() for p in model.parameters())
     logger.info("Loaded %s (%s, %.1fM parameters, %s, %s) in %.2f s", config.architecture,
                 source.gguf_file or source.directory, num_params / 1e6,
                 str(config.dtype).removeprefix("torch."),
