@@ -71,3 +71,21 @@ def test_bf16_norm_and_silu_are_bit_identical(rows):
     assert torch.equal(norm_kernel(x), norm_eager(x))
     gate_up = torch.randn(rows, 3072, dtype=torch.bfloat16) * 4
     assert torch.equal(SiluAndMul(ops)(gate_up), SiluAndMul()(gate_up))
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 3, 4, 5])
+def test_few_row_linear_matches_gemm(rows):
+    from cpullm.model_executor.layers.linear import ReplicatedLinear
+
+    torch.manual_seed(rows)
+    layer = ReplicatedLinear(576, 960, bias=True, dtype=torch.bfloat16)
+    layer.weight.data = torch.randn(960, 576, dtype=torch.bfloat16) / 24
+    layer.bias.data = torch.randn(960, dtype=torch.bfloat16)
+    x = torch.randn(rows, 576, dtype=torch.bfloat16)
+    expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    layer.process_weights_after_loading(ops)
+    assert layer.skinny is not None and layer.packed is not None
+    got = layer(x)  # the few-row kernel up to 4 rows, the packed GEMM above
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 960)
+    assert torch.allclose(got.float(), expected, atol=0.05, rtol=0.02)

@@ -433,6 +433,40 @@ void silu_and_mul_bf16(at::Tensor out, at::Tensor x) {
     }
   });
 }
+
+// out[M, N] = x[M, K] @ w[N, K]^T (+ bias) for a few rows M (decode of a few sequences):
+// every weight row is read once, straight from memory, and dotted with all M rows of x by
+// the BF16 dot-product instruction. At one row this streams the weights faster than a
+// general GEMM.
+void skinny_linear_bf16(at::Tensor out, at::Tensor x, at::Tensor w,
+                        c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
+              x.is_contiguous() && w.is_contiguous() && out.is_contiguous(),
+              "skinny_linear_bf16: contiguous bfloat16 tensors expected");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  TORCH_CHECK(m <= 8 && k % 32 == 0, "skinny_linear_bf16: at most 8 rows, K a multiple of 32");
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* wp = w.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    __m512 acc[8];
+    for (int64_t row = begin; row < end; ++row) {
+      const c10::BFloat16* wr = wp + row * k;
+      for (int64_t i = 0; i < m; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < k; c += 32) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + c);
+        for (int64_t i = 0; i < m; ++i)
+          acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(xp + i * k + c), wv);
+      }
+      for (int64_t i = 0; i < m; ++i) {
+        float v = _mm512_reduce_add_ps(acc[i]);
+        if (bp != nullptr) v += static_cast<float>(bp[row]);
+        op[i * n + row] = static_cast<c10::BFloat16>(v);
+      }
+    }
+  });
+}
 #endif
 
 bool has_bf16_kernels() {
@@ -469,6 +503,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVX512BF16__)
   m.def("rms_norm_bf16", &rms_norm_bf16, "bfloat16 RMSNorm, optionally fused with the residual add");
   m.def("silu_and_mul_bf16", &silu_and_mul_bf16, "bfloat16 silu(gate) * up");
+  m.def("skinny_linear_bf16", &skinny_linear_bf16, "bfloat16 x @ w.T for at most 8 rows");
 #endif
   m.def("rotary_embedding", &rotary_embedding, "rotate-half rotary embedding, in place");
 }

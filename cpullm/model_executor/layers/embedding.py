@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,10 +26,10 @@ class LMHead(VocabEmbedding):
 
     packed: torch.Tensor | None = None
 
-    def process_weights_after_loading(self, prepack: bool) -> None:
+    def process_weights_after_loading(self, ops: ModuleType | None) -> None:
         """A oneDNN-packed copy for bfloat16/float16 (the weight itself may be shared with
         the embedding table, which needs the plain layout)."""
-        if prepack and self.weight.dtype in (torch.bfloat16, torch.float16):
+        if ops is not None and self.weight.dtype in (torch.bfloat16, torch.float16):
             self.packed = pack_linear_weight(self.weight.data)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ def get_model(config: ModelConfig) -> nn.Module:
         num_params = sum(p.numel() for p in model.parameters())  # before any repacking
         for module in model.modules():
             if hasattr(module, "process_weights_after_loading"):
-                module.process_weights_after_loading(prepack=ops is not None)
+                module.process_weights_after_loading(ops)
     model.eval()
     _log_gemm_paths(model, config.dtype)
     logger.info("Loaded %s (%s, %.1fM parameters, %s, %s) in %.2f s", config.architecture,
@@ -52,7 +52,8 @@ def _log_gemm_paths(model: nn.Module, dtype: torch.dtype) -> None:
     for name, module in model.named_modules():
         if isinstance(module, LinearBase):
             if module.packed is not None:
-                path = "oneDNN matmul, prepacked weight"
+                path = "oneDNN matmul, prepacked weight" + (
+                    "; few-row bf16 kernel up to 4 rows" if module.skinny else "")
             elif dtype == torch.float32 and torch.backends.mkl.is_available():
                 path = "MKL sgemm"
             else:
