@@ -119,10 +119,11 @@ inline void softmax(float* row, int64_t n) {
 // Scores of one query group against every key of one KV head of one sequence:
 // scores[g * n + (t - first)] = q_g . k_t * scale.
 template <typename T>
-inline void group_scores_generic(float* scores, const float* query, float scale, const T* kp,
-                                 const int64_t* bt, int64_t first, int64_t len, int64_t group,
-                                 int64_t head_dim, int64_t block_size, int64_t block_stride,
-                                 int64_t token_stride, float* key) {
+inline void group_scores(float* scores, const float* query, float scale, const T* kp,
+                         const int64_t* bt,
+                         int64_t first, int64_t len, int64_t group, int64_t head_dim,
+                         int64_t block_size, int64_t block_stride, int64_t token_stride,
+                         float* key) {
   const int64_t n = len - first;
   for (int64_t t = first; t < len; ++t) {
     const T* k = kp + bt[t / block_size] * block_stride + (t % block_size) * token_stride;
@@ -130,15 +131,6 @@ inline void group_scores_generic(float* scores, const float* query, float scale,
     for (int64_t g = 0; g < group; ++g)
       scores[g * n + (t - first)] = dot(query + g * head_dim, key, head_dim) * scale;
   }
-}
-
-template <typename T>
-inline void group_scores(float* scores, const float* query, float scale, const T* kp,
-                         const int64_t* bt, int64_t first, int64_t len, int64_t group,
-                         int64_t head_dim, int64_t block_size, int64_t block_stride,
-                         int64_t token_stride, float* key) {
-  group_scores_generic(scores, query, scale, kp, bt, first, len, group, head_dim, block_size,
-                       block_stride, token_stride, key);
 }
 
 #if defined(__AVX512BF16__)
@@ -150,9 +142,15 @@ inline void group_scores<c10::BFloat16>(float* scores, const float* query, float
                                         int64_t first, int64_t len, int64_t group,
                                         int64_t head_dim, int64_t block_size,
                                         int64_t block_stride, int64_t token_stride, float* key) {
-  if (head_dim % 32 != 0) {
-    group_scores_generic(scores, query, scale, kp, bt, first, len, group, head_dim,
-                         block_size, block_stride, token_stride, key);
+  if (head_dim % 32 != 0 || head_dim > 256) {
+    const int64_t n = len - first;
+    for (int64_t t = first; t < len; ++t) {
+      const c10::BFloat16* k = kp + bt[t / block_size] * block_stride +
+                               (t % block_size) * token_stride;
+      load_row(key, k, head_dim);
+      for (int64_t g = 0; g < group; ++g)
+        scores[g * n + (t - first)] = dot(query + g * head_dim, key, head_dim) * scale;
+    }
     return;
   }
   const int64_t n = len - first, chunks = head_dim / 32;
@@ -177,6 +175,12 @@ inline void group_scores<c10::BFloat16>(float* scores, const float* query, float
 #endif
 
 // acc[g, :] = sum over t of probs[g * n + (t - first)] * v_t, for one KV head of a sequence.
+template <typename T>
+inline void weighted_values(float* acc, const float* probs, const T* vp, const int64_t* bt,
+                            int64_t first, int64_t len, int64_t group, int64_t head_dim,
+                            int64_t block_size, int64_t block_stride, int64_t token_stride,
+                            float* value);
+
 template <typename T>
 inline void weighted_values_generic(float* acc, const float* probs, const T* vp,
                                     const int64_t* bt, int64_t first, int64_t len,
@@ -433,7 +437,6 @@ void silu_and_mul_bf16(at::Tensor out, at::Tensor x) {
     }
   });
 }
-
 // out[M, N] = x[M, K] @ w[N, K]^T (+ bias) for a few rows M (decode of a few sequences):
 // every weight row is read once, straight from memory, and dotted with all M rows of x by
 // the BF16 dot-product instruction. At one row this streams the weights faster than a
