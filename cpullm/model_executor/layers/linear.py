@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 # Up to this many rows the few-row kernel beats oneDNN's GEMM (measured at 1, 4 and 8).
 _SKINNY_ROWS = 4
 
