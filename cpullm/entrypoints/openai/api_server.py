@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hmac
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -117,7 +118,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Any]]):
         if api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
                 return _error(401, "Invalid or missing API key.")
         return await call_next(request)
 
