@@ -24,6 +24,7 @@ _SOURCE = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "csrc", 
 def load_ops() -> ModuleType | None:
     from torch.utils import cpp_extension
 
+    _put_ninja_on_path()
     start = time.perf_counter()
     try:
         module = cpp_extension.load(
@@ -37,3 +38,14 @@ def load_ops() -> ModuleType | None:
         return None
     logger.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
     return module
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the one pip installed sits in the environment's bin
+    folder, which is not on PATH unless the environment was activated."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
