@@ -118,10 +118,9 @@ class EngineArgs:
         from cpullm.model_executor.models import get_model_class  # (models import the loader)
 
         get_model_class(model_config.architecture)  # an unsupported one fails here, by name
-        ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                       self.data_parallel_size)  # validates the sizes before planning
-        binding = plan_binding(topology, envs.VLLM_CPU_OMP_THREADS_BIND,
-                               self.tensor_parallel_size * self.pipeline_parallel_size,
+        sizes = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
+                               self.data_parallel_size)  # validates the sizes before planning
+        binding = plan_binding(topology, envs.VLLM_CPU_OMP_THREADS_BIND, sizes.world_size,
                                envs.VLLM_CPU_NUM_OF_RESERVED_CPU, envs.CPU_VISIBLE_MEMORY_NODES)
         logger.info("Thread binding %s", binding.describe())
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,

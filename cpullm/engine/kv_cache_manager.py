@@ -28,11 +28,6 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self.free_queue)
 
-    @property
-    def num_cached_free(self) -> int:
-        """Free blocks that still hold a findable prefix."""
-        return sum(1 for b in self.free_queue if self.block_hash[b] is not None)
-
     def allocate(self) -> int:
         block, _ = self.free_queue.popitem(last=False)
         old_hash = self.block_hash[block]

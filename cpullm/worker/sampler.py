@@ -57,7 +57,9 @@ class Sampler:
         (k = the largest ``logprobs`` asked in the batch; callers trim per row)."""
         params = batch.params
         raw_logits = logits
-        logits = self._apply_bias_and_min_tokens(logits.clone(), batch)
+        if any(p.logit_bias or len(out) < p.min_tokens
+               for p, out in zip(params, batch.output_token_ids, strict=True)):
+            logits = self._apply_bias_and_min_tokens(logits.clone(), batch)
         logits = self._apply_penalties(logits, batch)
 
         greedy = torch.tensor([p.greedy for p in params])
