@@ -19,21 +19,34 @@ def test_kernels_build():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_matches_sdpa(dtype):
+@pytest.mark.parametrize("heads,kv_heads,dim,window", [
+    (6, 2, 64, 0),     # SmolLM2-like: 3 query heads per KV head
+    (9, 9, 32, 0),     # no grouping, one 32-wide chunk
+    (32, 4, 128, 0),   # 8 query heads per KV head, 128-wide heads
+    (10, 2, 96, 0),    # 96-wide heads: values in 32-wide passes
+    (6, 2, 64, 50),    # sliding window
+    (12, 1, 64, 0),    # more query heads per KV head than the bfloat16 kernel takes
+])
+def test_decode_attention_matches_sdpa(dtype, heads, kv_heads, dim, window):
     torch.manual_seed(0)
-    seqs, heads, kv_heads, dim, block, blocks = 5, 6, 2, 64, 32, 40
+    seqs, block, blocks = 5, 32, 40
     key_cache = torch.randn(blocks, block, kv_heads, dim, dtype=dtype)
     value_cache = torch.randn(blocks, block, kv_heads, dim, dtype=dtype)
     tables = torch.randperm(blocks)[:seqs * 4].view(seqs, 4).contiguous()
     lens = torch.tensor([1, 31, 32, 77, 128])
-    q = torch.randn(seqs, heads, dim, dtype=dtype)
-    out = torch.empty_like(q)
-    ops.decode_attention(out, q, key_cache, value_cache, tables, lens, dim ** -0.5, 0)
+    # q as the model passes it: a view into a wider fused QKV row
+    q = torch.randn(seqs, (heads + 2) * dim, dtype=dtype)[:, :heads * dim].view(seqs, heads, dim)
+    out = torch.empty(seqs, heads, dim, dtype=dtype)
+    ops.decode_attention(out, q, key_cache, value_cache, tables, lens, dim ** -0.5, window)
     keys = key_cache[tables].view(seqs, -1, kv_heads, dim).transpose(1, 2).float()
     values = value_cache[tables].view(seqs, -1, kv_heads, dim).transpose(1, 2).float()
-    mask = (torch.arange(4 * block)[None] < lens[:, None])[:, None, None, :]
+    positions = torch.arange(4 * block)[None]
+    mask = positions < lens[:, None]
+    if window:
+        mask &= positions >= lens[:, None] - window
     expected = F.scaled_dot_product_attention(q.unsqueeze(2).float(), keys, values,
-                                              attn_mask=mask, enable_gqa=True).squeeze(2)
+                                              attn_mask=mask[:, None, None, :],
+                                              enable_gqa=True).squeeze(2)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(out.float(), expected, atol=tolerance)
 

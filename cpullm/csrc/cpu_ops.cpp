@@ -308,6 +308,188 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   });
 }
 
+#if defined(__AVX512BF16__)
+// 16 bfloat16 <-> 16 float32; the narrowing rounds to nearest even, as torch does.
+inline __m512 bf16x16_load(const c10::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void bf16x16_store(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline __m512 bf16_round(__m512 v) {  // float32 -> nearest bfloat16 -> float32
+  __m256i raw = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// lane i of the result = the sum of the 16 lanes of v[i]: 45 shuffles and adds for 16
+// dot products instead of a full horizontal reduction each.
+inline __m512 reduce16(const __m512* v) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: [a, b, c, d], partial over 4 lanes
+    const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                 _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                 _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z, w, 0x88), _mm512_shuffle_f32x4(z, w, 0xDD));
+}
+
+// How far ahead (in tokens) the paged loops prefetch: the loads of one token depend on
+// nothing, but without hints too few of them are in flight to use the memory bandwidth.
+constexpr int64_t kPrefetchTokens = 16;
+
+inline void prefetch_row(const c10::BFloat16* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T0);
+}
+
+// scores[g * n + (t - first)] = q_g . k_t * scale for the G query heads of one KV head;
+// the block table is walked a block at a time, 16 tokens per reduction.
+template <int CH>
+void paged_scores_bf16(float* scores, const __m512bh* q, int64_t group, float scale,
+                       const c10::BFloat16* kp, const c10::BFloat16* vp, const int64_t* bt,
+                       int64_t first, int64_t len, int64_t block_size, int64_t block_stride,
+                       int64_t token_stride) {
+  const int64_t n = len - first;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t t = first; t < len;) {
+    const int64_t off = t % block_size, run = std::min(len - t, block_size - off);
+    const int64_t base = bt[t / block_size] * block_stride + off * token_stride;
+    const c10::BFloat16* k = kp + base;
+    const c10::BFloat16* v = vp + base;
+    float* row = scores + (t - first);
+    for (int64_t j = 0; j < std::min(run, kPrefetchTokens); ++j)
+      prefetch_row(k + j * token_stride, CH * 64);
+    for (int64_t i = 0; i < run; i += 16) {
+      const int64_t m = std::min<int64_t>(16, run - i);
+      for (int64_t j = i + kPrefetchTokens; j < std::min(run, i + m + kPrefetchTokens); ++j)
+        prefetch_row(k + j * token_stride, CH * 64);
+      for (int64_t j = i; j < i + m; ++j) prefetch_row(v + j * token_stride, CH * 64);
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 acc[16];
+        for (int64_t j = 0; j < m; ++j) {
+          const c10::BFloat16* kr = k + (i + j) * token_stride;
+          __m512 a = _mm512_setzero_ps();
+          for (int c = 0; c < CH; ++c)
+            a = _mm512_dpbf16_ps(a, q[g * CH + c], (__m512bh)_mm512_loadu_si512(kr + c * 32));
+          acc[j] = a;
+        }
+        if (m == 16) {
+          _mm512_storeu_ps(row + g * n + i, _mm512_mul_ps(reduce16(acc), vscale));
+        } else {
+          for (int64_t j = 0; j < m; ++j) row[g * n + i + j] = _mm512_reduce_add_ps(acc[j]) * scale;
+        }
+      }
+    }
+    t += run;
+  }
+}
+
+// acc[g, d0:d0 + 16W] = sum over t of probs[g * n + (t - first)] * v_t[d0:d0 + 16W], the
+// G x W accumulators in registers for the whole sequence.
+template <int G, int W>
+void paged_values_bf16(float* acc, int64_t head_dim, const float* probs,
+                       const c10::BFloat16* vp, const int64_t* bt, int64_t first, int64_t len,
+                       int64_t block_size, int64_t block_stride, int64_t token_stride) {
+  const int64_t n = len - first;
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 16 * W) {
+    __m512 a[G][W];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < W; ++c) a[g][c] = _mm512_setzero_ps();
+    for (int64_t t = first; t < len;) {
+      const int64_t off = t % block_size, run = std::min(len - t, block_size - off);
+      const c10::BFloat16* v = vp + bt[t / block_size] * block_stride + off * token_stride + d0;
+      const float* p = probs + (t - first);
+      for (int64_t j = 0; j < run; ++j) {
+        if (j + kPrefetchTokens < run) prefetch_row(v + (j + kPrefetchTokens) * token_stride, W * 32);
+        __m512 x[W];
+        for (int c = 0; c < W; ++c) x[c] = bf16x16_load(v + j * token_stride + 16 * c);
+        for (int g = 0; g < G; ++g) {
+          const __m512 pg = _mm512_set1_ps(p[g * n + j]);
+          for (int c = 0; c < W; ++c) a[g][c] = _mm512_fmadd_ps(pg, x[c], a[g][c]);
+        }
+      }
+      t += run;
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < W; ++c) _mm512_storeu_ps(acc + g * head_dim + d0 + 16 * c, a[g][c]);
+  }
+}
+
+using PagedScoresFn = void (*)(float*, const __m512bh*, int64_t, float, const c10::BFloat16*,
+                               const c10::BFloat16*, const int64_t*, int64_t, int64_t, int64_t,
+                               int64_t, int64_t);
+using PagedValuesFn = void (*)(float*, int64_t, const float*, const c10::BFloat16*,
+                               const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t);
+
+// bfloat16 decode attention for head_dim a multiple of 32 up to 256 and up to 8 query heads
+// per KV head; returns false (nothing written) for other shapes.
+bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, double scale, int64_t window) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, chunks = head_dim / 32;
+  if (head_dim % 32 != 0 || chunks > 8 || group > 8) return false;
+  static constexpr PagedScoresFn kScores[] = {
+      nullptr, paged_scores_bf16<1>, paged_scores_bf16<2>, paged_scores_bf16<3>,
+      paged_scores_bf16<4>, paged_scores_bf16<5>, paged_scores_bf16<6>, paged_scores_bf16<7>,
+      paged_scores_bf16<8>};
+  // Four vectors (64 dims) per pass where the registers allow, else two (32 dims).
+  static constexpr PagedValuesFn kValues4[] = {
+      nullptr, paged_values_bf16<1, 4>, paged_values_bf16<2, 4>, paged_values_bf16<3, 4>,
+      paged_values_bf16<4, 4>, paged_values_bf16<5, 4>, paged_values_bf16<6, 4>};
+  static constexpr PagedValuesFn kValues2[] = {
+      nullptr, paged_values_bf16<1, 2>, paged_values_bf16<2, 2>, paged_values_bf16<3, 2>,
+      paged_values_bf16<4, 2>, paged_values_bf16<5, 2>, paged_values_bf16<6, 2>,
+      paged_values_bf16<7, 2>, paged_values_bf16<8, 2>};
+  const PagedScoresFn scores_fn = kScores[chunks];
+  const PagedValuesFn values_fn =
+      (head_dim % 64 == 0 && group <= 6) ? kValues4[group] : kValues2[group];
+
+  const int64_t max_blocks = block_tables.size(1), q_stride = q.stride(0);
+  const auto* qp = q.data_ptr<c10::BFloat16>();
+  const auto* kp = key_cache.data_ptr<c10::BFloat16>();
+  const auto* vp = value_cache.data_ptr<c10::BFloat16>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(group * head_dim);
+    __m512bh query[64];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
+      const int64_t len = lens[s];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      const c10::BFloat16* qs = qp + s * q_stride + kvh * group * head_dim;
+      for (int64_t i = 0; i < group * chunks; ++i)
+        query[i] = (__m512bh)_mm512_loadu_si512(qs + i * 32);
+      scores.resize(group * n);
+      scores_fn(scores.data(), query, group, fscale, kp + kvh * head_dim, vp + kvh * head_dim,
+                bt + s * max_blocks, first, len, block_size, block_stride, token_stride);
+      for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * n, n);
+      values_fn(acc.data(), head_dim, scores.data(), vp + kvh * head_dim, bt + s * max_blocks,
+                first, len, block_size, block_stride, token_stride);
+      c10::BFloat16* dst = op + (s * num_heads + kvh * group) * head_dim;
+      for (int64_t i = 0; i < group * head_dim; i += 16)
+        bf16x16_store(dst + i, _mm512_loadu_ps(acc.data() + i));
+    }
+  });
+  return true;
+}
+#endif
+
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
                       at::Tensor block_tables, at::Tensor seq_lens, double scale,
                       int64_t window) {
@@ -315,6 +497,11 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Te
   TORCH_CHECK(out.is_contiguous() && key_cache.is_contiguous() &&
               value_cache.is_contiguous() && block_tables.is_contiguous() &&
               seq_lens.is_contiguous(), "decode_attention: contiguous tensors expected");
+#if defined(__AVX512BF16__)
+  if (q.scalar_type() == at::kBFloat16 &&
+      decode_attention_bf16(out, q, key_cache, value_cache, block_tables, seq_lens, scale, window))
+    return;
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
     decode_attention_impl<scalar_t>(out, q, key_cache, value_cache, block_tables, seq_lens,
                                     scale, window);
@@ -367,18 +554,6 @@ void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tens
 
 
 #if defined(__AVX512BF16__)
-// 16 bfloat16 <-> 16 float32; the narrowing rounds to nearest even, as torch does.
-inline __m512 bf16x16_load(const c10::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline void bf16x16_store(c10::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
-}
-inline __m512 bf16_round(__m512 v) {  // float32 -> nearest bfloat16 -> float32
-  __m256i raw = (__m256i)_mm512_cvtneps_pbh(v);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 
 // bfloat16 RMSNorm: with a residual, residual = x + residual and x = norm(residual) * w,
 // in place; without, out = norm(x) * w. Rounds where the unfused torch ops round.
