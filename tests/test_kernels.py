@@ -51,6 +51,26 @@ def test_decode_attention_matches_sdpa(dtype, heads, kv_heads, dim, window):
     assert torch.allclose(out.float(), expected, atol=tolerance)
 
 
+@pytest.mark.parametrize("vocab", [49152, 1000, 7])
+def test_fused_draw_matches_torch_draw(vocab):
+    from cpullm.sampling_params import SamplingParams
+    from cpullm.worker.sampler import _draw
+
+    generator = torch.Generator().manual_seed(0)
+    rows = 64
+    logits = torch.randn(rows, vocab, generator=generator) * 3
+    logits[::3, : vocab // 2] = -float("inf")  # masked tokens: never drawn
+    temperature = torch.rand(rows, generator=generator) + 0.3
+    uniform = torch.rand(rows, generator=generator)
+    uniform[0], uniform[1] = 0.0, 1.0 - 2 ** -24  # both ends of [0, 1)
+    got = ops.sample_from_logits(logits, temperature, uniform)
+    params = [SamplingParams(temperature=float(t)) for t in temperature]
+    expected = _draw(logits, temperature, uniform, params)
+    # Next to 1 the two summation orders may round to different last tokens.
+    assert torch.equal(got[2:], expected[2:]) and got[0] == expected[0]
+    assert bool((logits.gather(1, got[:, None]) > -float("inf")).all())
+
+
 def test_rotary_matches_torch():
     from types import SimpleNamespace
 

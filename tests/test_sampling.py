@@ -22,15 +22,20 @@ def tokens(outputs) -> list[list[int]]:
     return [c.token_ids for o in outputs for c in o.outputs]
 
 
-def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
-    params = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=20, ignore_eos=True)
+@pytest.mark.parametrize("top_p,others_top_p", [(0.9, 1.0), (1.0, 0.8)])
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm, top_p, others_top_p):
+    # Rows with and without top-p take different sampling paths: mixing them in one batch
+    # must not change a seeded row's tokens.
+    params = SamplingParams(temperature=0.9, top_p=top_p, seed=42, max_tokens=20,
+                            ignore_eos=True)
     alone = tokens(llm.generate(PROMPTS[0], params, use_tqdm=False))
     again = tokens(llm.generate(PROMPTS[0], params, use_tqdm=False))
-    unseeded = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    unseeded = SamplingParams(temperature=1.0, top_p=others_top_p, max_tokens=20,
+                              ignore_eos=True)
     batched = llm.generate(PROMPTS, [params, unseeded, unseeded], use_tqdm=False)
     assert alone == again
     assert tokens(batched[:1]) == alone
-    other_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=20,
+    other_seed = SamplingParams(temperature=0.9, top_p=top_p, seed=7, max_tokens=20,
                                 ignore_eos=True)
     assert tokens(llm.generate(PROMPTS[0], other_seed, use_tqdm=False)) != alone
     assert_pool_free(llm)

@@ -59,7 +59,8 @@ class ModelRunner:
                  model_config.head_dim)  # per layer
         self.kv_caches = [_zeroed(shape, model_config.dtype)
                           for _ in range(model_config.num_layers)]
-        self.sampler = Sampler(model_config.vocab_size, eos_token_ids)
+        self.sampler = Sampler(model_config.vocab_size, eos_token_ids,
+                               None if model_config.enforce_eager else load_ops())
         self.generators: dict[str, torch.Generator] = {}
         self._bound_thread: int | None = None
 

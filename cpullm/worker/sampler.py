@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from types import ModuleType
+
 import torch
 
 from cpullm.sampling_params import SamplingParams
@@ -47,9 +49,13 @@ class SamplingBatch:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: set[int]) -> None:
+    def __init__(self, vocab_size: int, eos_token_ids: set[int],
+                 ops: ModuleType | None = None) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        # With the compiled kernels, rows without top-k/top-p/min-p are drawn in one pass
+        # over their logits; which path a row takes depends only on its own parameters.
+        self.fused_draw = getattr(ops, "sample_from_logits", None)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch
                  ) -> tuple[list[int], LogprobsLists | None]:
@@ -63,10 +69,12 @@ class Sampler:
         logits = self._apply_penalties(logits, batch)
 
         greedy = torch.tensor([p.greedy for p in params])
-        tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            sampled = self._sample(logits, batch)
-            tokens = torch.where(greedy, tokens, sampled)
+        if bool(greedy.all()):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, batch)
+            if bool(greedy.any()):
+                tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
 
         logprobs = None
         wanted = [p.logprobs for p in params if p.logprobs is not None]
@@ -106,28 +114,47 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         params = batch.params
-        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
-        logits = logits / temperature[:, None]
-        top_k = torch.tensor([p.top_k for p in params])
-        top_p = torch.tensor([p.top_p for p in params])
-        if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
-            logits = _apply_top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)
-        min_p = torch.tensor([p.min_p for p in params])
-        if bool((min_p > 0).any()):
-            threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        # Inverse-CDF draw: one uniform number per row instead of noise over the whole
-        # vocabulary (4 ms instead of 22 ms for 128 x 49152 on 2 cores).
-        cdf = probs.cumsum(dim=-1)
-        uniform = torch.rand(probs.shape[0], 1)
+        # One uniform number per row, a seeded request's from its own generator.
+        uniform = torch.rand(len(params))
         for row, generator in enumerate(batch.generators):
             if generator is not None:
                 uniform[row] = torch.rand(1, generator=generator)
-        # The first token whose cumulative probability exceeds u; tokens of probability
-        # zero never are (their cumulative value equals the one before).
-        tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)
-        return tokens.clamp_(max=probs.shape[1] - 1).squeeze(1)
+        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
+        filtered = torch.tensor([p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
+                                 for p in params])
+        if self.fused_draw is None or bool(filtered.all()):
+            return _draw(logits, temperature, uniform, params)
+        if not bool(filtered.any()):
+            return self.fused_draw(logits, temperature, uniform)
+        tokens = torch.empty(len(params), dtype=torch.long)
+        plain = ~filtered
+        tokens[plain] = self.fused_draw(logits[plain], temperature[plain], uniform[plain])
+        rows = filtered.nonzero().squeeze(1).tolist()
+        tokens[filtered] = _draw(logits[filtered], temperature[filtered], uniform[filtered],
+                                 [params[row] for row in rows])
+        return tokens
+
+
+def _draw(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor,
+          params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then the first token whose cumulative probability
+    exceeds the row's uniform number (inverse-CDF: 4 ms instead of 22 ms for exponential
+    noise over 128 x 49152 on 2 cores)."""
+    logits = logits / temperature[:, None]
+    top_k = torch.tensor([p.top_k for p in params])
+    top_p = torch.tensor([p.top_p for p in params])
+    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+        logits = _apply_top_k_top_p(logits, top_k, top_p)
+    probs = logits.softmax(dim=-1)
+    min_p = torch.tensor([p.min_p for p in params])
+    if bool((min_p > 0).any()):
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    cdf = probs.cumsum(dim=-1)
+    # Tokens of probability zero are never drawn: their cumulative value equals the one
+    # before, and the search takes the first value above u.
+    tokens = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True)
+    return tokens.clamp_(max=probs.shape[1] - 1).squeeze(1)
 
 
 def _token_counts(token_lists: list[list[int]], rows: int, vocab: int) -> torch.Tensor:
