@@ -122,3 +122,40 @@ def test_few_row_linear_matches_gemm(rows):
     got = layer(x)  # the few-row kernel up to 4 rows, the packed GEMM above
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 960)
     assert torch.allclose(got.float(), expected, atol=0.05, rtol=0.02)
+
+
+@needs_bf16
+@pytest.mark.parametrize("window", [0, 40])
+def test_bf16_prompt_attention_matches_sdpa(window):
+    """Decode tokens and prompt chunks (fresh, and continuing a cached prefix) in one step:
+    the compiled bfloat16 path against SDPA over the same cache."""
+    from types import SimpleNamespace
+
+    from cpullm.engine.scheduler import ScheduledRequest
+    from cpullm.model_executor.layers.attention import PagedAttention
+    from cpullm.sampling_params import SamplingParams
+    from cpullm.worker.model_runner import ModelRunner
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block, blocks = 6, 2, 64, 16, 64
+    # (tokens already in the cache, tokens computed this step)
+    shapes = [(20, 1), (47, 1), (0, 33), (30, 9), (16, 70)]
+    tables = torch.randperm(blocks).tolist()
+    items, used = [], 0
+    for done, new in shapes:
+        count = -(-(done + new) // block)
+        items.append(ScheduledRequest(
+            request_id=str(len(items)), token_ids=[1] * new, num_computed_tokens=done,
+            block_table=tables[used:used + count], sample=True,
+            sampling_params=SamplingParams(), prompt_token_ids=[], output_token_ids=[]))
+        used += count
+    runner = SimpleNamespace(block_size=block, sliding_window=window or None)
+    _, _, meta, _ = ModelRunner._prepare_inputs(runner, items)
+    num_tokens = sum(new for _, new in shapes)
+    kv_cache = torch.randn(2, blocks, block, kv_heads, dim).bfloat16()
+    q = torch.randn(num_tokens, heads, dim).bfloat16()
+    k = torch.randn(num_tokens, kv_heads, dim).bfloat16()
+    v = torch.randn(num_tokens, kv_heads, dim).bfloat16()
+    expected = PagedAttention(heads, dim, kv_heads, dim ** -0.5)(q, k, v, kv_cache.clone(), meta)
+    got = PagedAttention(heads, dim, kv_heads, dim ** -0.5, ops)(q, k, v, kv_cache.clone(), meta)
+    assert torch.allclose(got.float(), expected.float(), atol=3e-2)

@@ -722,6 +722,59 @@ at::Tensor sample_from_logits(at::Tensor logits, at::Tensor temperature, at::Ten
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// Causal softmax of prompt-chunk attention scores, in place, bfloat16 in and out:
+// scores [num_prefills * num_kv_heads, group * max_q, max_len] hold q . k (unscaled) for
+// query i of a chunk (position starts[seq] + i) against the keys at positions 0..max_len-1.
+// Each row becomes softmax(scale * scores) over the keys the query may see (positions up to
+// its own, and within the sliding window if any) and 0 elsewhere; padding rows (i at or past
+// the chunk's length) become 0.
+void prefill_softmax_bf16(at::Tensor scores, at::Tensor starts, at::Tensor query_lens,
+                          int64_t num_kv_heads, int64_t max_q, double scale, int64_t window) {
+  TORCH_CHECK(scores.scalar_type() == at::kBFloat16 && scores.is_contiguous() &&
+              starts.is_contiguous() && query_lens.is_contiguous(),
+              "prefill_softmax_bf16: contiguous bfloat16 scores expected");
+  const int64_t batches = scores.size(0), rows = scores.size(1), max_len = scores.size(2);
+  c10::BFloat16* sp = scores.data_ptr<c10::BFloat16>();
+  const int64_t* st = starts.data_ptr<int64_t>();
+  const int64_t* ql = query_lens.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, batches * rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(max_len);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / rows / num_kv_heads, i = item % rows % max_q;
+      c10::BFloat16* row = sp + item * max_len;
+      const int64_t pos = st[seq] + i;
+      const int64_t lo = (i >= ql[seq]) ? max_len : (window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0);
+      const int64_t hi = (i >= ql[seq]) ? max_len : std::min(max_len, pos + 1);  // [lo, hi)
+      if (lo >= hi) {
+        std::memset(static_cast<void*>(row), 0, max_len * sizeof(c10::BFloat16));
+        continue;
+      }
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t t = lo; t < hi; ++t) {
+        buf[t] = to_f(row[t]) * fscale;
+        mx = std::max(mx, buf[t]);
+      }
+      const __m512 vm = _mm512_set1_ps(mx);
+      __m512 vsum = _mm512_setzero_ps();
+      int64_t t = lo;
+      for (; t + 16 <= hi; t += 16) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(buf.data() + t), vm));
+        _mm512_storeu_ps(buf.data() + t, e);
+        vsum = _mm512_add_ps(vsum, e);
+      }
+      float sum = _mm512_reduce_add_ps(vsum);
+      for (; t < hi; ++t) { buf[t] = std::exp(buf[t] - mx); sum += buf[t]; }
+      const float inv = 1.f / sum;
+      for (t = 0; t < lo; ++t) row[t] = c10::BFloat16(0.f);
+      for (t = lo; t < hi; ++t) row[t] = static_cast<c10::BFloat16>(buf[t] * inv);
+      for (t = hi; t < max_len; ++t) row[t] = c10::BFloat16(0.f);
+    }
+  });
+}
+#endif
+
 bool has_bf16_kernels() {
 #if defined(__AVX512BF16__)
   return true;
@@ -757,6 +810,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_bf16", &rms_norm_bf16, "bfloat16 RMSNorm, optionally fused with the residual add");
   m.def("silu_and_mul_bf16", &silu_and_mul_bf16, "bfloat16 silu(gate) * up");
   m.def("skinny_linear_bf16", &skinny_linear_bf16, "bfloat16 x @ w.T for at most 8 rows");
+  m.def("prefill_softmax_bf16", &prefill_softmax_bf16,
+        "causal softmax of prompt-chunk attention scores, in place");
 #endif
   m.def("rotary_embedding", &rotary_embedding, "rotate-half rotary embedding, in place");
 #if defined(__AVX512F__)

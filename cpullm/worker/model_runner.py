@@ -169,6 +169,8 @@ class ModelRunner:
             prefill_block_tables=torch.from_numpy(block_tables[nd:, :prefill_blocks]),
             prefill_query_index=torch.from_numpy(prefill_query_index),
             prefill_max_query_len=max_q,
+            prefill_starts=torch.from_numpy(p_starts),
+            prefill_query_lens=torch.from_numpy(p_lens),
             prefill_mask=torch.from_numpy(prefill_mask)[:, None, :, :])
         return torch.from_numpy(input_ids), torch.from_numpy(positions), meta, query_ends
 

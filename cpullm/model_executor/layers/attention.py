@@ -10,9 +10,12 @@ from the paged cache after this step's K/V have been written to it:
     key_cache [num_blocks, block_size, num_kv_heads, head_dim]
     block_table [3, 7]  ->  positions 0..127 live in block 3, 128..255 in block 7
 
-Each group gathers its requests' blocks into a padded [num_seqs, max_len] view and runs
-one scaled-dot-product attention over the whole group with a mask; there is no Python
-loop over requests.
+Decode tokens go through a C++ kernel that reads the blocks in place. Prompt chunks
+gather their requests' blocks into a padded [num_seqs, max_len] view; in bfloat16 with the
+compiled kernels, two batched bfloat16 matmuls around a C++ causal softmax attend over it
+(torch's SDPA runs its CPU flash kernel in float32, several times slower at these sizes),
+otherwise one masked scaled-dot-product attention does. There is no Python loop over
+requests.
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+# Largest score matrix (elements) the bfloat16 prompt path builds at once; larger chunks
+# take SDPA, which tiles.
+_MAX_SCORES = 1 << 26
 
 
 @dataclass(slots=True)
@@ -39,6 +47,8 @@ class AttentionMetadata:
     prefill_query_index: torch.Tensor  # [num_prefill_tokens] index into [num_prefills * max_q]
     prefill_max_query_len: int
     prefill_mask: torch.Tensor  # [num_prefills, 1, max_q, max_blocks * block_size] bool
+    prefill_starts: torch.Tensor  # [num_prefills] position of each chunk's first token
+    prefill_query_lens: torch.Tensor  # [num_prefills] tokens in each chunk
 
 
 class PagedAttention(nn.Module):
@@ -46,6 +56,7 @@ class PagedAttention(nn.Module):
                  ops: ModuleType | None = None) -> None:
         super().__init__()
         self.ops = ops  # compiled kernels, or None for plain torch ops
+        self.prefill_softmax = getattr(ops, "prefill_softmax_bf16", None)
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
@@ -74,13 +85,41 @@ class PagedAttention(nn.Module):
             max_q = meta.prefill_max_query_len
             padded = q.new_zeros(num_prefills * max_q, self.num_heads, self.head_dim)
             padded[meta.prefill_query_index] = q[nd:]
-            # [num_prefills, num_heads, max_q, head_dim]
-            query = padded.view(num_prefills, max_q, self.num_heads, self.head_dim).transpose(1, 2)
-            result = self._attend(query, key_cache, value_cache, meta.prefill_block_tables,
-                                  meta.prefill_mask)
-            out[nd:] = result.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)[
+            max_len = meta.prefill_block_tables.shape[1] * key_cache.shape[1]
+            if (self.prefill_softmax is not None and q.dtype == torch.bfloat16
+                    and num_prefills * self.num_heads * max_q * max_len <= _MAX_SCORES):
+                result = self._attend_bf16(padded, key_cache, value_cache, meta)
+            else:
+                # [num_prefills, num_heads, max_q, head_dim]
+                query = padded.view(num_prefills, max_q, self.num_heads,
+                                    self.head_dim).transpose(1, 2)
+                result = self._attend(query, key_cache, value_cache, meta.prefill_block_tables,
+                                      meta.prefill_mask).transpose(1, 2)
+            out[nd:] = result.reshape(-1, self.num_heads, self.head_dim)[
                 meta.prefill_query_index]
         return out
+
+    def _attend_bf16(self, padded: torch.Tensor, key_cache: torch.Tensor,
+                     value_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """padded: [num_prefills * max_q, num_heads, head_dim] queries ->
+        [num_prefills, max_q, num_heads, head_dim]. The query heads that share a KV head
+        are stacked into one matrix, so each (request, KV head) is one matmul."""
+        num_prefills, max_q = meta.prefill_block_tables.shape[0], meta.prefill_max_query_len
+        kv_heads, dim = self.num_kv_heads, self.head_dim
+        group = self.num_heads // kv_heads
+        batch = num_prefills * kv_heads
+        # [num_prefills, max_len, kv_heads, dim] -> keys transposed [batch, dim, max_len]
+        keys = key_cache[meta.prefill_block_tables].view(num_prefills, -1, kv_heads, dim)
+        values = value_cache[meta.prefill_block_tables].view(num_prefills, -1, kv_heads, dim)
+        keys_t = keys.permute(0, 2, 3, 1).reshape(batch, dim, -1)
+        values = values.transpose(1, 2).reshape(batch, -1, dim)
+        # [num_prefills, max_q, kv_heads, group, dim] -> [batch, group * max_q, dim]
+        query = padded.view(num_prefills, max_q, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+        scores = torch.bmm(query.reshape(batch, group * max_q, dim), keys_t)
+        self.prefill_softmax(scores, meta.prefill_starts, meta.prefill_query_lens, kv_heads,
+                             max_q, self.scale, meta.sliding_window)
+        out = torch.bmm(scores, values)  # [batch, group * max_q, dim]
+        return out.view(num_prefills, kv_heads, group, max_q, dim).permute(0, 3, 1, 2, 4)
 
     def _decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
