@@ -126,7 +126,11 @@ def test_few_row_linear_matches_gemm(rows):
 
 @needs_bf16
 @pytest.mark.parametrize("window", [0, 40])
-def test_bf16_prompt_attention_matches_sdpa(window):
+@pytest.mark.parametrize("shapes", [
+    [(20, 1), (47, 1), (0, 33), (30, 9), (16, 70)],  # chunks of different lengths
+    [(20, 1), (0, 40), (25, 40)],  # equal chunks: no padding
+])
+def test_bf16_prompt_attention_matches_sdpa(window, shapes):
     """Decode tokens and prompt chunks (fresh, and continuing a cached prefix) in one step:
     the compiled bfloat16 path against SDPA over the same cache."""
     from types import SimpleNamespace
@@ -138,8 +142,7 @@ def test_bf16_prompt_attention_matches_sdpa(window):
 
     torch.manual_seed(0)
     heads, kv_heads, dim, block, blocks = 6, 2, 64, 16, 64
-    # (tokens already in the cache, tokens computed this step)
-    shapes = [(20, 1), (47, 1), (0, 33), (30, 9), (16, 70)]
+    # shapes: (tokens already in the cache, tokens computed this step) per request
     tables = torch.randperm(blocks).tolist()
     items, used = [], 0
     for done, new in shapes:

@@ -740,7 +740,7 @@ void prefill_softmax_bf16(at::Tensor scores, at::Tensor starts, at::Tensor query
   const int64_t* ql = query_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, batches * rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(max_len);
+    std::vector<float> buf(max_len + 16);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / rows / num_kv_heads, i = item % rows % max_q;
       c10::BFloat16* row = sp + item * max_len;
@@ -751,25 +751,40 @@ void prefill_softmax_bf16(at::Tensor scores, at::Tensor starts, at::Tensor query
         std::memset(static_cast<void*>(row), 0, max_len * sizeof(c10::BFloat16));
         continue;
       }
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t t = lo; t < hi; ++t) {
-        buf[t] = to_f(row[t]) * fscale;
-        mx = std::max(mx, buf[t]);
+      // Vectors of 16 from a multiple of 16 below lo; lanes outside [lo, hi) are masked.
+      const int64_t first = lo & ~int64_t{15};
+      const auto lanes = [&](int64_t t) -> __mmask16 {
+        const int64_t a = std::max<int64_t>(lo - t, 0), b = std::min<int64_t>(hi - t, 16);
+        return a >= b ? 0 : static_cast<__mmask16>(((1u << b) - 1) & ~((1u << a) - 1));
+      };
+      const __m512 vscale = _mm512_set1_ps(fscale);
+      __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t t = first; t < hi; t += 16) {
+        const __mmask16 m = lanes(t);
+        const __m256i raw = _mm256_maskz_loadu_epi16(m, row + t);
+        const __m512 v = _mm512_mul_ps(
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)), vscale);
+        _mm512_storeu_ps(buf.data() + t - first, v);
+        vmax = _mm512_mask_max_ps(vmax, m, vmax, v);
       }
-      const __m512 vm = _mm512_set1_ps(mx);
+      const __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
       __m512 vsum = _mm512_setzero_ps();
-      int64_t t = lo;
-      for (; t + 16 <= hi; t += 16) {
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(buf.data() + t), vm));
-        _mm512_storeu_ps(buf.data() + t, e);
+      for (int64_t t = first; t < hi; t += 16) {
+        const __m512 e = _mm512_maskz_mov_ps(
+            lanes(t), exp16(_mm512_sub_ps(_mm512_loadu_ps(buf.data() + t - first), vm)));
+        _mm512_storeu_ps(buf.data() + t - first, e);
         vsum = _mm512_add_ps(vsum, e);
       }
-      float sum = _mm512_reduce_add_ps(vsum);
-      for (; t < hi; ++t) { buf[t] = std::exp(buf[t] - mx); sum += buf[t]; }
-      const float inv = 1.f / sum;
-      for (t = 0; t < lo; ++t) row[t] = c10::BFloat16(0.f);
-      for (t = lo; t < hi; ++t) row[t] = static_cast<c10::BFloat16>(buf[t] * inv);
-      for (t = hi; t < max_len; ++t) row[t] = c10::BFloat16(0.f);
+      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+      const __m256i zero = _mm256_setzero_si256();
+      for (int64_t t = 0; t < max_len; t += 16) {
+        const __mmask16 in_row = static_cast<__mmask16>(
+            max_len - t >= 16 ? 0xFFFF : (1u << (max_len - t)) - 1);
+        __m256i out = zero;
+        if (t >= first && t < hi)  // masked lanes of buf hold 0
+          out = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(buf.data() + t - first), inv));
+        _mm256_mask_storeu_epi16(row + t, in_row, out);
+      }
     }
   });
 }

@@ -83,8 +83,13 @@ class PagedAttention(nn.Module):
         if nd < q.shape[0]:
             num_prefills = meta.prefill_block_tables.shape[0]
             max_q = meta.prefill_max_query_len
-            padded = q.new_zeros(num_prefills * max_q, self.num_heads, self.head_dim)
-            padded[meta.prefill_query_index] = q[nd:]
+            # Chunks shorter than the longest are padded to it; equal chunks need no copy.
+            dense = q.shape[0] - nd == num_prefills * max_q
+            if dense:
+                padded = q[nd:]
+            else:
+                padded = q.new_zeros(num_prefills * max_q, self.num_heads, self.head_dim)
+                padded[meta.prefill_query_index] = q[nd:]
             max_len = meta.prefill_block_tables.shape[1] * key_cache.shape[1]
             if (self.prefill_softmax is not None and q.dtype == torch.bfloat16
                     and num_prefills * self.num_heads * max_q * max_len <= _MAX_SCORES):
@@ -95,8 +100,11 @@ class PagedAttention(nn.Module):
                                     self.head_dim).transpose(1, 2)
                 result = self._attend(query, key_cache, value_cache, meta.prefill_block_tables,
                                       meta.prefill_mask).transpose(1, 2)
-            out[nd:] = result.reshape(-1, self.num_heads, self.head_dim)[
-                meta.prefill_query_index]
+            if dense:  # one copy, straight from the permuted view
+                out[nd:].view(result.shape).copy_(result)
+            else:
+                out[nd:] = result.reshape(-1, self.num_heads, self.head_dim)[
+                    meta.prefill_query_index]
         return out
 
     def _attend_bf16(self, padded: torch.Tensor, key_cache: torch.Tensor,
