@@ -24,6 +24,13 @@ namespace {
 template <typename T>
 inline float to_f(T v) { return static_cast<float>(v); }
 
+// Items per thread for an elementwise kernel whose items have `width` elements: below
+// about 32K elements a second thread costs more (a wake-up, and a wait on a thread that
+// may be descheduled) than it saves.
+inline int64_t grain_for(int64_t width) {
+  return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(width, 1));
+}
+
 // dst[0:n] = float(src[0:n]); n is a multiple of 16 on the vector path.
 template <typename T>
 inline void load_row(float* dst, const T* src, int64_t n) {
@@ -514,7 +521,7 @@ template <typename T>
 void rotary_one(T* x, int64_t token_stride, const int64_t* positions, const float* cos,
                 const float* sin, int64_t tokens, int64_t heads, int64_t head_dim) {
   const int64_t half = head_dim / 2;
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, grain_for(heads * head_dim), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos + positions[t] * head_dim;
       const float* s = sin + positions[t] * head_dim;
@@ -567,7 +574,7 @@ void rms_norm_bf16(at::Tensor out, at::Tensor x, c10::optional<at::Tensor> resid
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   c10::BFloat16* rp = residual.has_value() ? residual->data_ptr<c10::BFloat16>() : nullptr;
   const c10::BFloat16* wp = weight.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_for(dim), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(dim);
     for (int64_t r = begin; r < end; ++r) {
       __m512 sq = _mm512_setzero_ps();
@@ -599,7 +606,7 @@ void silu_and_mul_bf16(at::Tensor out, at::Tensor x) {
   TORCH_CHECK(d % 16 == 0, "silu_and_mul_bf16: width must be a multiple of 16");
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_for(3 * d), [&](int64_t begin, int64_t end) {
     const __m512 one = _mm512_set1_ps(1.f);
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t i = 0; i < d; i += 16) {

@@ -30,11 +30,27 @@ class EngineDeadError(RuntimeError):
 
 
 @dataclass(slots=True)
+class _Sink:
+    """Where one request's outputs go: an asyncio queue owned by an event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+    def __call__(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def _deliver(items: list[tuple[asyncio.Queue[Any], RequestOutput]]) -> None:
+    for target, item in items:
+        target.put_nowait(item)
+
+
+@dataclass(slots=True)
 class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    sink: Callable[[RequestOutput | BaseException], None]
+    sink: _Sink
 
 
 @dataclass(slots=True)
@@ -64,7 +80,7 @@ class AsyncEngine:
         self.stats = EngineStats()
         self.dead_error: BaseException | None = None
         self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
-        self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
+        self._sinks: dict[str, _Sink] = {}
         self._thread: threading.Thread | None = None
         self._update_stats()
 
@@ -91,13 +107,9 @@ class AsyncEngine:
         that went away) aborts the request and frees its KV blocks."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.dead_error}")
-        loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-
-        def sink(item: RequestOutput | BaseException) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
-
-        self._inbox.put(_Add(request_id, prompt_token_ids, params, sink))
+        self._inbox.put(_Add(request_id, prompt_token_ids, params,
+                             _Sink(asyncio.get_running_loop(), outputs)))
         finished = False
         try:
             while True:
@@ -143,12 +155,17 @@ class AsyncEngine:
             self._update_stats()
             if self.on_step is not None:
                 self.on_step(outputs, elapsed)
+            # One wake-up of each event loop per step, not one per request.
+            deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any],
+                                                                   RequestOutput]]] = {}
             for output in outputs:
                 sink = self._sinks.get(output.request_id)
                 if sink is not None:
-                    sink(output)
+                    deliveries.setdefault(sink.loop, []).append((sink.queue, output))
                 if output.finished:
                     self._sinks.pop(output.request_id, None)
+            for loop, items in deliveries.items():
+                loop.call_soon_threadsafe(_deliver, items)
 
     def _take_commands(self, block: bool) -> list[_Add | _Abort | None]:
         commands = [self._inbox.get()] if block else []

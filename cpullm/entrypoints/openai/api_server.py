@@ -45,6 +45,25 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error.body(), status_code=status)
 
 
+class _ApiKeyCheck:
+    """Requires ``Authorization: Bearer <key>`` on /v1 routes. A plain ASGI middleware:
+    streamed responses pass through untouched (a decorator middleware would copy every
+    server-sent event through an extra task and stream)."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Awaitable[Any]],
+                       send: Callable[..., Awaitable[None]]) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                await _error(401, "Invalid or missing API key.")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
@@ -115,13 +134,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return _error(500, str(exc))
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Any]]):
-        if api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
-                return _error(401, "Invalid or missing API key.")
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(_ApiKeyCheck, api_key=api_key)
 
     @app.get("/health")
     async def health() -> Response:
