@@ -10,7 +10,6 @@ Logprobs are of the model's raw distribution, before any of the above.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from types import ModuleType
 
 import torch
@@ -129,9 +128,8 @@ class Sampler:
         tokens = torch.empty(len(params), dtype=torch.long)
         plain = ~filtered
         tokens[plain] = self.fused_draw(logits[plain], temperature[plain], uniform[plain])
-        rows = filtered.nonzero().squeeze(1).tolist()
         tokens[filtered] = _draw(logits[filtered], temperature[filtered], uniform[filtered],
-                                 [params[row] for row in rows])
+                                 [p for p, f in zip(params, filtered.tolist(), strict=True) if f])
         return tokens
 
 
