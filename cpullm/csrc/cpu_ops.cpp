@@ -352,6 +352,11 @@ inline __m512 reduce16(const __m512* v) {
 // nothing, but without hints too few of them are in flight to use the memory bandwidth.
 constexpr int64_t kPrefetchTokens = 16;
 
+inline void prefetch_row_l2(const c10::BFloat16* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T1);
+}
+
 inline void prefetch_row(const c10::BFloat16* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64)
     _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T0);
@@ -374,6 +379,13 @@ void paged_scores_bf16(float* scores, const __m512bh* q, int64_t group, float sc
     float* row = scores + (t - first);
     for (int64_t j = 0; j < std::min(run, kPrefetchTokens); ++j)
       prefetch_row(k + j * token_stride, CH * 64);
+    if (t + run < len) {  // the start of the next block, to L2, a block ahead of its use
+      const int64_t next = bt[(t + run) / block_size] * block_stride;
+      for (int64_t j = 0; j < std::min(len - t - run, kPrefetchTokens); ++j) {
+        prefetch_row_l2(kp + next + j * token_stride, CH * 64);
+        prefetch_row_l2(vp + next + j * token_stride, CH * 64);
+      }
+    }
     for (int64_t i = 0; i < run; i += 16) {
       const int64_t m = std::min<int64_t>(16, run - i);
       for (int64_t j = i + kPrefetchTokens; j < std::min(run, i + m + kPrefetchTokens); ++j)
@@ -483,6 +495,19 @@ bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tenso
       for (int64_t i = 0; i < group * chunks; ++i)
         query[i] = (__m512bh)_mm512_loadu_si512(qs + i * 32);
       scores.resize(group * n);
+      if (item + 1 < end) {  // the next item's first keys and values, to L2
+        const int64_t s2 = (item + 1) / num_kv_heads, kvh2 = (item + 1) % num_kv_heads;
+        const int64_t len2 = lens[s2];
+        const int64_t first2 = window > 0 ? std::max<int64_t>(0, len2 - window) : 0;
+        const int64_t base = bt[s2 * max_blocks + first2 / block_size] * block_stride +
+                             (first2 % block_size) * token_stride + kvh2 * head_dim;
+        const int64_t count = std::min({kPrefetchTokens, len2 - first2,
+                                        block_size - first2 % block_size});
+        for (int64_t j = 0; j < count; ++j) {
+          prefetch_row_l2(kp + base + j * token_stride, head_dim * 2);
+          prefetch_row_l2(vp + base + j * token_stride, head_dim * 2);
+        }
+      }
       scores_fn(scores.data(), query, group, fscale, kp + kvh * head_dim, vp + kvh * head_dim,
                 bt + s * max_blocks, first, len, block_size, block_stride, token_stride);
       for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * n, n);
