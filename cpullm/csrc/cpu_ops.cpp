@@ -362,13 +362,30 @@ inline void prefetch_row(const c10::BFloat16* p, int64_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T0);
 }
 
+// Walks the keys and values of the item a thread takes next, a few rows per call, into
+// L2: spread over the current item's work, it runs a whole item ahead of use.
+struct NextItemPrefetch {
+  const c10::BFloat16* kp = nullptr;  // at the item's KV head
+  const c10::BFloat16* vp = nullptr;
+  const int64_t* bt = nullptr;
+  int64_t t = 0, len = 0, block_size = 1, block_stride = 0, token_stride = 0, bytes = 0;
+
+  void step(int64_t rows) {
+    for (const int64_t stop = std::min(len, t + rows); t < stop; ++t) {
+      const int64_t at = bt[t / block_size] * block_stride + (t % block_size) * token_stride;
+      prefetch_row_l2(kp + at, bytes);
+      prefetch_row_l2(vp + at, bytes);
+    }
+  }
+};
+
 // scores[g * n + (t - first)] = q_g . k_t * scale for the G query heads of one KV head;
 // the block table is walked a block at a time, 16 tokens per reduction.
 template <int CH>
 void paged_scores_bf16(float* scores, const __m512bh* q, int64_t group, float scale,
                        const c10::BFloat16* kp, const c10::BFloat16* vp, const int64_t* bt,
                        int64_t first, int64_t len, int64_t block_size, int64_t block_stride,
-                       int64_t token_stride) {
+                       int64_t token_stride, NextItemPrefetch& next_item) {
   const int64_t n = len - first;
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t t = first; t < len;) {
@@ -379,15 +396,9 @@ void paged_scores_bf16(float* scores, const __m512bh* q, int64_t group, float sc
     float* row = scores + (t - first);
     for (int64_t j = 0; j < std::min(run, kPrefetchTokens); ++j)
       prefetch_row(k + j * token_stride, CH * 64);
-    if (t + run < len) {  // the start of the next block, to L2, a block ahead of its use
-      const int64_t next = bt[(t + run) / block_size] * block_stride;
-      for (int64_t j = 0; j < std::min(len - t - run, kPrefetchTokens); ++j) {
-        prefetch_row_l2(kp + next + j * token_stride, CH * 64);
-        prefetch_row_l2(vp + next + j * token_stride, CH * 64);
-      }
-    }
     for (int64_t i = 0; i < run; i += 16) {
       const int64_t m = std::min<int64_t>(16, run - i);
+      next_item.step(m);
       for (int64_t j = i + kPrefetchTokens; j < std::min(run, i + m + kPrefetchTokens); ++j)
         prefetch_row(k + j * token_stride, CH * 64);
       for (int64_t j = i; j < i + m; ++j) prefetch_row(v + j * token_stride, CH * 64);
@@ -444,7 +455,7 @@ void paged_values_bf16(float* acc, int64_t head_dim, const float* probs,
 
 using PagedScoresFn = void (*)(float*, const __m512bh*, int64_t, float, const c10::BFloat16*,
                                const c10::BFloat16*, const int64_t*, int64_t, int64_t, int64_t,
-                               int64_t, int64_t);
+                               int64_t, int64_t, NextItemPrefetch&);
 using PagedValuesFn = void (*)(float*, int64_t, const float*, const c10::BFloat16*,
                                const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t);
 
@@ -495,21 +506,18 @@ bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tenso
       for (int64_t i = 0; i < group * chunks; ++i)
         query[i] = (__m512bh)_mm512_loadu_si512(qs + i * 32);
       scores.resize(group * n);
-      if (item + 1 < end) {  // the next item's first keys and values, to L2
+      NextItemPrefetch next_item;
+      if (item + 1 < end) {
         const int64_t s2 = (item + 1) / num_kv_heads, kvh2 = (item + 1) % num_kv_heads;
         const int64_t len2 = lens[s2];
-        const int64_t first2 = window > 0 ? std::max<int64_t>(0, len2 - window) : 0;
-        const int64_t base = bt[s2 * max_blocks + first2 / block_size] * block_stride +
-                             (first2 % block_size) * token_stride + kvh2 * head_dim;
-        const int64_t count = std::min({kPrefetchTokens, len2 - first2,
-                                        block_size - first2 % block_size});
-        for (int64_t j = 0; j < count; ++j) {
-          prefetch_row_l2(kp + base + j * token_stride, head_dim * 2);
-          prefetch_row_l2(vp + base + j * token_stride, head_dim * 2);
-        }
+        next_item = {kp + kvh2 * head_dim, vp + kvh2 * head_dim, bt + s2 * max_blocks,
+                     window > 0 ? std::max<int64_t>(0, len2 - window) : 0, len2, block_size,
+                     block_stride, token_stride, head_dim * 2};
       }
       scores_fn(scores.data(), query, group, fscale, kp + kvh * head_dim, vp + kvh * head_dim,
-                bt + s * max_blocks, first, len, block_size, block_stride, token_stride);
+                bt + s * max_blocks, first, len, block_size, block_stride, token_stride,
+                next_item);
+      next_item.step(next_item.len);  // what the scores did not reach (a longer next item)
       for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * n, n);
       values_fn(acc.data(), head_dim, scores.data(), vp + kvh * head_dim, bt + s * max_blocks,
                 first, len, block_size, block_stride, token_stride);
