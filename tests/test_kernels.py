@@ -129,6 +129,7 @@ def test_few_row_linear_matches_gemm(rows):
 @pytest.mark.parametrize("shapes", [
     [(20, 1), (47, 1), (0, 33), (30, 9), (16, 70)],  # chunks of different lengths
     [(20, 1), (0, 40), (25, 40)],  # equal chunks: no padding
+    [(20, 1), (0, 40), (0, 40)],  # equal fresh prompts: keys and values of this step
 ])
 def test_bf16_prompt_attention_matches_sdpa(window, shapes):
     """Decode tokens and prompt chunks (fresh, and continuing a cached prefix) in one step:

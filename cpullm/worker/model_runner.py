@@ -173,6 +173,7 @@ class ModelRunner:
             prefill_max_query_len=max_q,
             prefill_starts=torch.from_numpy(p_starts),
             prefill_query_lens=torch.from_numpy(p_lens),
+            prefill_fresh=bool(len(p_starts)) and not p_starts.any(),
             prefill_mask=torch.from_numpy(prefill_mask)[:, None, :, :])
         return torch.from_numpy(input_ids), torch.from_numpy(positions), meta, query_ends
 

@@ -49,6 +49,7 @@ class AttentionMetadata:
     prefill_mask: torch.Tensor  # [num_prefills, 1, max_q, max_blocks * block_size] bool
     prefill_starts: torch.Tensor  # [num_prefills] position of each chunk's first token
     prefill_query_lens: torch.Tensor  # [num_prefills] tokens in each chunk
+    prefill_fresh: bool = False  # every chunk starts its request: nothing earlier is cached
 
 
 class PagedAttention(nn.Module):
@@ -93,7 +94,9 @@ class PagedAttention(nn.Module):
             max_len = meta.prefill_block_tables.shape[1] * key_cache.shape[1]
             if (self.prefill_softmax is not None and q.dtype == torch.bfloat16
                     and num_prefills * self.num_heads * max_q * max_len <= _MAX_SCORES):
-                result = self._attend_bf16(padded, key_cache, value_cache, meta)
+                # Whole fresh prompts of one length: their keys and values are this step's.
+                fresh = (k[nd:], v[nd:]) if dense and meta.prefill_fresh else None
+                result = self._attend_bf16(padded, key_cache, value_cache, meta, fresh)
             else:
                 # [num_prefills, num_heads, max_q, head_dim]
                 query = padded.view(num_prefills, max_q, self.num_heads,
@@ -108,17 +111,25 @@ class PagedAttention(nn.Module):
         return out
 
     def _attend_bf16(self, padded: torch.Tensor, key_cache: torch.Tensor,
-                     value_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                     value_cache: torch.Tensor, meta: AttentionMetadata,
+                     fresh: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """padded: [num_prefills * max_q, num_heads, head_dim] queries ->
         [num_prefills, max_q, num_heads, head_dim]. The query heads that share a KV head
-        are stacked into one matrix, so each (request, KV head) is one matmul."""
+        are stacked into one matrix, so each (request, KV head) is one matmul. ``fresh``:
+        this step's keys and values, [num_prefills * max_q, kv_heads, head_dim], when they
+        are all there is to attend to (no gather from the cache then)."""
         num_prefills, max_q = meta.prefill_block_tables.shape[0], meta.prefill_max_query_len
         kv_heads, dim = self.num_kv_heads, self.head_dim
         group = self.num_heads // kv_heads
         batch = num_prefills * kv_heads
         # [num_prefills, max_len, kv_heads, dim] -> keys transposed [batch, dim, max_len]
-        keys = key_cache[meta.prefill_block_tables].view(num_prefills, -1, kv_heads, dim)
-        values = value_cache[meta.prefill_block_tables].view(num_prefills, -1, kv_heads, dim)
+        if fresh is not None:
+            keys = fresh[0].view(num_prefills, max_q, kv_heads, dim)
+            values = fresh[1].view(num_prefills, max_q, kv_heads, dim)
+        else:
+            keys = key_cache[meta.prefill_block_tables].view(num_prefills, -1, kv_heads, dim)
+            values = value_cache[meta.prefill_block_tables].view(num_prefills, -1, kv_heads,
+                                                                 dim)
         keys_t = keys.permute(0, 2, 3, 1).reshape(batch, dim, -1)
         values = values.transpose(1, 2).reshape(batch, -1, dim)
         # [num_prefills, max_q, kv_heads, group, dim] -> [batch, group * max_q, dim]
