@@ -182,17 +182,12 @@ inline void group_scores<c10::BFloat16>(float* scores, const float* query, float
 #endif
 
 // acc[g, :] = sum over t of probs[g * n + (t - first)] * v_t, for one KV head of a sequence.
+// (bfloat16 caches take decode_attention_bf16 below for every shape it covers.)
 template <typename T>
 inline void weighted_values(float* acc, const float* probs, const T* vp, const int64_t* bt,
                             int64_t first, int64_t len, int64_t group, int64_t head_dim,
                             int64_t block_size, int64_t block_stride, int64_t token_stride,
-                            float* value);
-
-template <typename T>
-inline void weighted_values_generic(float* acc, const float* probs, const T* vp,
-                                    const int64_t* bt, int64_t first, int64_t len,
-                                    int64_t group, int64_t head_dim, int64_t block_size,
-                                    int64_t block_stride, int64_t token_stride, float* value) {
+                            float* value) {
   const int64_t n = len - first;
   std::fill(acc, acc + group * head_dim, 0.f);
   for (int64_t t = first; t < len; ++t) {
@@ -202,68 +197,6 @@ inline void weighted_values_generic(float* acc, const float* probs, const T* vp,
       axpy(acc + g * head_dim, probs[g * n + (t - first)], value, head_dim);
   }
 }
-
-template <typename T>
-inline void weighted_values(float* acc, const float* probs, const T* vp, const int64_t* bt,
-                            int64_t first, int64_t len, int64_t group, int64_t head_dim,
-                            int64_t block_size, int64_t block_stride, int64_t token_stride,
-                            float* value) {
-  weighted_values_generic(acc, probs, vp, bt, first, len, group, head_dim, block_size,
-                          block_stride, token_stride, value);
-}
-
-#if defined(__AVX512F__)
-// bfloat16 values, head_dim 64: the G x 64 accumulators stay in registers for the whole
-// sequence instead of going through memory for every token.
-template <int G>
-inline void weighted_values_bf16_d64(float* acc, const float* probs, const c10::BFloat16* vp,
-                                     const int64_t* bt, int64_t first, int64_t len,
-                                     int64_t block_size, int64_t block_stride,
-                                     int64_t token_stride) {
-  const int64_t n = len - first;
-  __m512 a[G][4];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < 4; ++c) a[g][c] = _mm512_setzero_ps();
-  for (int64_t t = first; t < len; ++t) {
-    const c10::BFloat16* v = vp + bt[t / block_size] * block_stride +
-                             (t % block_size) * token_stride;
-    __m512 x[4];
-    for (int c = 0; c < 4; ++c) {
-      __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c));
-      x[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    }
-    for (int g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(probs[g * n + (t - first)]);
-      for (int c = 0; c < 4; ++c) a[g][c] = _mm512_fmadd_ps(p, x[c], a[g][c]);
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + g * 64 + 16 * c, a[g][c]);
-}
-
-template <>
-inline void weighted_values<c10::BFloat16>(float* acc, const float* probs,
-                                           const c10::BFloat16* vp, const int64_t* bt,
-                                           int64_t first, int64_t len, int64_t group,
-                                           int64_t head_dim, int64_t block_size,
-                                           int64_t block_stride, int64_t token_stride,
-                                           float* value) {
-#define CPULLM_VALUES_CASE(G)                                                                  \
-  case G:                                                                                      \
-    return weighted_values_bf16_d64<G>(acc, probs, vp, bt, first, len, block_size,            \
-                                       block_stride, token_stride);
-  if (head_dim == 64) {
-    switch (group) {
-      CPULLM_VALUES_CASE(1) CPULLM_VALUES_CASE(2) CPULLM_VALUES_CASE(3)
-      CPULLM_VALUES_CASE(4) CPULLM_VALUES_CASE(5) CPULLM_VALUES_CASE(6)
-      default: break;
-    }
-  }
-#undef CPULLM_VALUES_CASE
-  weighted_values_generic(acc, probs, vp, bt, first, len, group, head_dim, block_size,
-                          block_stride, token_stride, value);
-}
-#endif
 
 // out[s, h, :] = softmax(q[s, h, :] . K[s, :, kvh, :]^T * scale) @ V[s, :, kvh, :]
 // where K/V of sequence s are read in place from its blocks:
