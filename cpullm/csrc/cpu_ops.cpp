@@ -1,9 +1,11 @@
-// Hot CPU kernels of cpullm: paged decode attention, rotary embedding, and bfloat16
-// RMSNorm and SiLU-mul.
+// Hot CPU kernels of cpullm: paged decode attention, the causal softmax of prompt
+// attention, rotary embedding, bfloat16 RMSNorm, SiLU-mul and few-row linear, and the
+// sampler's inverse-CDF draw.
 //
 // Built on first use by torch.utils.cpp_extension (cpullm/model_executor/layers/ops.py);
 // the Python side falls back to plain torch ops when no compiler is available. All math
-// is in float32 whatever the storage type (float, bfloat16, half).
+// is in float32 whatever the storage type (float, bfloat16, half); bfloat16 products go
+// through the BF16 dot-product instruction, which sums them in float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
