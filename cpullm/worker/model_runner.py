@@ -26,6 +26,7 @@ from cpullm.worker.sampler import LogprobsLists, Sampler, SamplingBatch, compute
 
 logger = init_logger(__name__)
 
+
 def _zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor in its own anonymous mapping: the kernel hands out zeroed pages on first
     touch, so a large cache costs neither a memset at startup nor resident memory until it
@@ -56,13 +57,13 @@ class ModelRunner:
         model_config = config.model
         self.block_size = config.cache.block_size
         self.sliding_window = model_config.sliding_window
-        self.model = get_model(model_config)
+        ops = None if model_config.enforce_eager else load_ops()
+        self.model = get_model(model_config, ops)
         shape = (2, config.cache.num_blocks, self.block_size, model_config.num_kv_heads,
                  model_config.head_dim)  # per layer
         self.kv_caches = [_zeroed(shape, model_config.dtype)
                           for _ in range(model_config.num_layers)]
-        self.sampler = Sampler(model_config.vocab_size, eos_token_ids,
-                               None if model_config.enforce_eager else load_ops())
+        self.sampler = Sampler(model_config.vocab_size, eos_token_ids, ops)
         self.generators: dict[str, torch.Generator] = {}
         self._bound_thread: int | None = None
 
@@ -144,19 +145,9 @@ class ModelRunner:
         nd = int((query_lens == 1).sum())
         decode_len = int(seq_lens[:nd].max()) if nd else 0
         decode_blocks = -(-decode_len // bs)
-        key_pos = np.arange(decode_blocks * bs)
-        decode_mask = key_pos[None, :] < seq_lens[:nd, None]
-        if self.sliding_window is not None:
-            decode_mask &= key_pos[None, :] >= seq_lens[:nd, None] - self.sliding_window
-
         p_lens, p_starts = query_lens[nd:], starts[nd:]
         max_q = int(p_lens.max()) if len(p_lens) else 0
         prefill_blocks = -(-int(seq_lens[nd:].max()) // bs) if len(p_lens) else 0
-        key_pos = np.arange(prefill_blocks * bs)
-        query_pos = p_starts[:, None] + np.arange(max_q)[None, :]  # [num_prefills, max_q]
-        prefill_mask = key_pos[None, None, :] <= query_pos[:, :, None]
-        if self.sliding_window is not None:
-            prefill_mask &= key_pos[None, None, :] > query_pos[:, :, None] - self.sliding_window
         prefill_query_index = (np.repeat(np.arange(len(p_lens)) * max_q, p_lens)
                                + np.arange(num_tokens - nd)
                                - np.repeat(np.cumsum(p_lens) - p_lens, p_lens))
@@ -165,7 +156,6 @@ class ModelRunner:
             num_decode_tokens=nd,
             decode_block_tables=torch.from_numpy(
                 np.ascontiguousarray(block_tables[:nd, :decode_blocks])),
-            decode_mask=torch.from_numpy(decode_mask)[:, None, None, :],
             decode_seq_lens=torch.from_numpy(seq_lens[:nd]),
             sliding_window=self.sliding_window or 0,
             prefill_block_tables=torch.from_numpy(block_tables[nd:, :prefill_blocks]),
@@ -174,7 +164,7 @@ class ModelRunner:
             prefill_starts=torch.from_numpy(p_starts),
             prefill_query_lens=torch.from_numpy(p_lens),
             prefill_fresh=bool(len(p_starts)) and not p_starts.any(),
-            prefill_mask=torch.from_numpy(prefill_mask)[:, None, :, :])
+            block_size=bs)
         return torch.from_numpy(input_ids), torch.from_numpy(positions), meta, query_ends
 
     @staticmethod

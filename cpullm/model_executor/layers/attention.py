@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 # Largest score matrix (elements) the bfloat16 prompt path builds at once; larger chunks
 # take SDPA, which tiles.
 _MAX_SCORES = 1 << 26
@@ -40,16 +39,43 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of every new token
     num_decode_tokens: int  # the first num_decode_tokens tokens are single-query requests
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool
     decode_seq_lens: torch.Tensor  # [num_decodes] context length including the new token
     sliding_window: int  # 0: attend to the whole context
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks]
     prefill_query_index: torch.Tensor  # [num_prefill_tokens] index into [num_prefills * max_q]
     prefill_max_query_len: int
-    prefill_mask: torch.Tensor  # [num_prefills, 1, max_q, max_blocks * block_size] bool
     prefill_starts: torch.Tensor  # [num_prefills] position of each chunk's first token
     prefill_query_lens: torch.Tensor  # [num_prefills] tokens in each chunk
-    prefill_fresh: bool = False  # every chunk starts its request: nothing earlier is cached
+    prefill_fresh: bool  # every chunk starts its request: nothing earlier is cached
+    block_size: int
+    # The boolean masks of the plain torch paths, built on first use (the compiled kernels
+    # take lengths instead) and then shared by all layers.
+    _decode_mask: torch.Tensor | None = None
+    _prefill_mask: torch.Tensor | None = None
+
+    def decode_mask(self) -> torch.Tensor:
+        """[num_decodes, 1, 1, max_blocks * block_size]: the key positions each decode
+        token sees."""
+        if self._decode_mask is None:
+            key_pos = torch.arange(self.decode_block_tables.shape[1] * self.block_size)[None]
+            lens = self.decode_seq_lens[:, None]
+            mask = key_pos < lens
+            if self.sliding_window:
+                mask &= key_pos >= lens - self.sliding_window
+            self._decode_mask = mask[:, None, None, :]
+        return self._decode_mask
+
+    def prefill_mask(self) -> torch.Tensor:
+        """[num_prefills, 1, max_q, max_blocks * block_size]: causal, within the window."""
+        if self._prefill_mask is None:
+            key_pos = torch.arange(self.prefill_block_tables.shape[1] * self.block_size)
+            query_pos = (self.prefill_starts[:, None]
+                         + torch.arange(self.prefill_max_query_len)[None, :])[:, :, None]
+            mask = key_pos <= query_pos
+            if self.sliding_window:
+                mask &= key_pos > query_pos - self.sliding_window
+            self._prefill_mask = mask[:, None]
+        return self._prefill_mask
 
 
 class PagedAttention(nn.Module):
@@ -102,7 +128,7 @@ class PagedAttention(nn.Module):
                 query = padded.view(num_prefills, max_q, self.num_heads,
                                     self.head_dim).transpose(1, 2)
                 result = self._attend(query, key_cache, value_cache, meta.prefill_block_tables,
-                                      meta.prefill_mask).transpose(1, 2)
+                                      meta.prefill_mask()).transpose(1, 2)
             if dense:  # one copy, straight from the permuted view
                 out[nd:].view(result.shape).copy_(result)
             else:
@@ -153,7 +179,7 @@ class PagedAttention(nn.Module):
                                                             self.head_dim)
         query = q.view(num_seqs, self.num_kv_heads, group, self.head_dim)
         scores = torch.einsum("skgd,stkd->skgt", query, keys)  # [seqs, kv_heads, group, len]
-        scores = (scores.float() * self.scale).masked_fill_(~meta.decode_mask, float("-inf"))
+        scores = (scores.float() * self.scale).masked_fill_(~meta.decode_mask(), float("-inf"))
         probs = scores.softmax(dim=-1).to(q.dtype)
         out = torch.einsum("skgt,stkd->skgd", probs, values)
         return out.reshape(num_seqs, self.num_heads, self.head_dim)
