@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Mapping
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -53,9 +54,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, float]:
           f"{result['output_tokens_per_second']:.2f} output tokens/s")
     print(f"Total num prompt tokens: {prompt_tokens}\nTotal num output tokens: {output_tokens}\n"
           f"Prefix cache hit rate: {100 * result['prefix_cache_hit_rate']:.1f}%")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=4)
+    _write_json(args.output_json, result)
     return result
 
 
@@ -99,7 +98,11 @@ def run_latency(args: argparse.Namespace) -> dict[str, object]:
         "avg_latency": float(latencies.mean()), "latencies": latencies.tolist(),
         "percentiles": {str(p): float(v) for p, v in zip(percentiles, values, strict=True)},
         "output_tokens_per_second": tokens / float(latencies.mean())}
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=4)
+    _write_json(args.output_json, result)
     return result
+
+
+def _write_json(path: str | None, result: Mapping[str, object]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=4)

@@ -36,6 +36,10 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     add_dataset_args(parser, num_prompts=200)
 
 
+def _headers(args: argparse.Namespace) -> dict[str, str]:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
 @dataclass
 class RequestResult:
     success: bool = False
@@ -82,7 +86,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, request: BenchRe
 async def _run(args: argparse.Namespace, requests: list[BenchRequest], model: str
                ) -> tuple[list[RequestResult], float]:
     url = args.base_url.rstrip("/") + args.endpoint
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = _headers(args)
     limit = asyncio.Semaphore(args.max_concurrency or len(requests))
     rng = random.Random(args.seed)
     bar = tqdm(total=len(requests), desc="Requests")
@@ -115,9 +119,8 @@ def _stats(name: str, values_s: list[float]) -> dict[str, float]:
 def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     from cpullm.transformers_utils import load_tokenizer, resolve_model
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.model or httpx.get(args.base_url.rstrip("/") + "/v1/models",
-                                    headers=headers).json()["data"][0]["id"]
+                                    headers=_headers(args)).json()["data"][0]["id"]
     tokenizer = load_tokenizer(resolve_model(args.tokenizer))
     requests = sample_requests(args, tokenizer)
     results, duration = asyncio.run(_run(args, requests, model))
