@@ -116,7 +116,7 @@ def test_bfloat16_close_to_eager_and_float32(tiny_model):
                 for o in outputs for entry in o.prompt_logprobs[1:]]
 
     bf16 = LLM(model_dir, dtype="bfloat16", block_size=32)
-    assert bf16.llm_engine.model_runner.model.model.layers[0].mlp.gate_up_proj.packed is not None
+    assert bf16.llm_engine.model_runner.model.model.layers[0].mlp.gate_up_proj.gemm is not None
     fast = favourites(bf16)
     eager = favourites(LLM(model_dir, dtype="bfloat16", block_size=32, enforce_eager=True))
     fp32 = favourites(LLM(model_dir, dtype="float32", block_size=32))

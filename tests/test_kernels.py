@@ -107,21 +107,27 @@ def test_bf16_norm_and_silu_are_bit_identical(rows):
 
 
 @needs_bf16
-@pytest.mark.parametrize("rows", [1, 3, 4, 5])
-def test_few_row_linear_matches_gemm(rows):
+@pytest.mark.parametrize("rows", [1, 3, 12, 13, 130, 600])
+@pytest.mark.parametrize("output_size", [960, 968])
+def test_packed_linear_matches_float32(rows, output_size):
+    """cpullm's bf16 GEMM (output sizes a multiple of 32; row tiles of 12, blocks of 264)
+    and oneDNN's on a prepacked weight (the rest), from rows of a wider tensor too."""
     from cpullm.model_executor.layers.linear import ReplicatedLinear
 
     torch.manual_seed(rows)
-    layer = ReplicatedLinear(576, 960, bias=True, dtype=torch.bfloat16)
-    layer.weight.data = torch.randn(960, 576, dtype=torch.bfloat16) / 24
-    layer.bias.data = torch.randn(960, dtype=torch.bfloat16)
-    x = torch.randn(rows, 576, dtype=torch.bfloat16)
-    expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    layer = ReplicatedLinear(576, output_size, bias=True, dtype=torch.bfloat16)
+    weight = torch.randn(output_size, 576, dtype=torch.bfloat16) / 24
+    layer.weight.data = weight
+    layer.bias.data = torch.randn(output_size, dtype=torch.bfloat16)
+    wide = torch.randn(rows, 640, dtype=torch.bfloat16)
+    expected = F.linear(wide[:, :576].float(), weight.float(), layer.bias.float())
     layer.process_weights_after_loading(ops)
-    assert layer.skinny is not None and layer.packed is not None
-    got = layer(x)  # the few-row kernel up to 4 rows, the packed GEMM above
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, 960)
-    assert torch.allclose(got.float(), expected, atol=0.05, rtol=0.02)
+    assert layer.gemm is not None and layer.weight.numel() == 0  # the packed copy only
+    assert (layer.gemm.kernel is not None) == (output_size % 32 == 0)
+    for x in (wide[:, :576], wide[:, :576].contiguous().view(1, rows, 576)):
+        got = layer(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (*x.shape[:-1], output_size)
+        assert torch.allclose(got.float().view(rows, -1), expected, atol=0.05, rtol=0.02)
 
 
 @needs_bf16

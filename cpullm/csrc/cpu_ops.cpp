@@ -1,5 +1,5 @@
 // Hot CPU kernels of cpullm: paged decode attention, the causal softmax of prompt
-// attention, rotary embedding, bfloat16 RMSNorm, SiLU-mul and few-row linear, and the
+// attention, rotary embedding, bfloat16 RMSNorm, SiLU-mul and a GEMM, and the
 // sampler's inverse-CDF draw.
 //
 // Built on first use by torch.utils.cpp_extension (cpullm/model_executor/layers/ops.py);
@@ -12,9 +12,11 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -587,35 +589,85 @@ void silu_and_mul_bf16(at::Tensor out, at::Tensor x) {
     }
   });
 }
-// out[M, N] = x[M, K] @ w[N, K]^T (+ bias) for a few rows M (decode of a few sequences):
-// every weight row is read once, straight from memory, and dotted with all M rows of x by
-// the BF16 dot-product instruction. At one row this streams the weights faster than a
-// general GEMM.
-void skinny_linear_bf16(at::Tensor out, at::Tensor x, at::Tensor w,
-                        c10::optional<at::Tensor> bias) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
-              x.is_contiguous() && w.is_contiguous() && out.is_contiguous(),
-              "skinny_linear_bf16: contiguous bfloat16 tensors expected");
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  TORCH_CHECK(m <= 8 && k % 32 == 0, "skinny_linear_bf16: at most 8 rows, K a multiple of 32");
+// bfloat16 x @ W.T for any number of rows, with W packed once into panels of 32 output
+// columns: panels[p][kk][c][j] = W[32p + c][2kk + j]. One 128-byte row of a panel holds the
+// (k, k+1) pairs of 32 columns, what two dpbf16 instructions multiply with a broadcast pair
+// of x. Each thread takes a contiguous run of panels; for each it walks the rows of x in
+// tiles of up to 12 (24 accumulators), and while it computes the first tile it prefetches
+// its next panel into L2, so weights that come from memory (every decode step reads them
+// all once) stream in behind the arithmetic instead of stalling it.
+constexpr int kGemmRows = 12;
+constexpr int64_t kGemmBlockRows = 264;  // rows of x a thread keeps in L2 across its panels
+
+template <int MR, bool PREFETCH>
+void gemm_tile(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t k2,
+               const c10::BFloat16* bias, c10::BFloat16* out, int64_t ldo, const char* next) {
+  __m512 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int32_t* xp = reinterpret_cast<const int32_t*>(x);  // (k, k+1) pairs
+  const int64_t ldx2 = ldx / 2;
+  for (int64_t kk = 0; kk < k2; ++kk) {
+    if (PREFETCH) {
+      _mm_prefetch(next + kk * 128, _MM_HINT_T1);
+      _mm_prefetch(next + kk * 128 + 64, _MM_HINT_T1);
+    }
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + kk * 64);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + kk * 64 + 32);
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(xp[r * ldx2 + kk]);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+    }
+  }
+  __m512 bias0 = _mm512_setzero_ps(), bias1 = _mm512_setzero_ps();
+  if (bias != nullptr) {
+    bias0 = bf16x16_load(bias);
+    bias1 = bf16x16_load(bias + 16);
+  }
+  for (int r = 0; r < MR; ++r) {
+    bf16x16_store(out + r * ldo, _mm512_add_ps(acc[r][0], bias0));
+    bf16x16_store(out + r * ldo + 16, _mm512_add_ps(acc[r][1], bias1));
+  }
+}
+
+using GemmTile = void (*)(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t,
+                          const c10::BFloat16*, c10::BFloat16*, int64_t, const char*);
+
+template <int... MR>
+constexpr std::array<GemmTile, sizeof...(MR)> gemm_tiles(bool prefetch,
+                                                         std::integer_sequence<int, MR...>) {
+  return prefetch ? std::array<GemmTile, sizeof...(MR)>{&gemm_tile<MR + 1, true>...}
+                  : std::array<GemmTile, sizeof...(MR)>{&gemm_tile<MR + 1, false>...};
+}
+
+void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16 &&
+              out.scalar_type() == at::kBFloat16, "gemm_bf16: bfloat16 tensors expected");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.stride(0) % 2 == 0 && out.is_contiguous() &&
+              panels.is_contiguous() && panels.dim() == 4 && panels.size(2) == 32 &&
+              panels.size(3) == 2, "gemm_bf16: rows of x, packed panels [N/32, K/2, 32, 2]");
+  const int64_t m = x.size(0), k2 = panels.size(1), n = panels.size(0) * 32;
+  TORCH_CHECK(x.size(1) == 2 * k2 && out.size(0) == m && out.size(1) == n,
+              "gemm_bf16: shapes do not match");
+  static const auto tiles = gemm_tiles(false, std::make_integer_sequence<int, kGemmRows>{});
+  static const auto prefetching = gemm_tiles(true, std::make_integer_sequence<int, kGemmRows>{});
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-  const c10::BFloat16* wp = w.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* wp = panels.data_ptr<c10::BFloat16>();
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    __m512 acc[8];
-    for (int64_t row = begin; row < end; ++row) {
-      const c10::BFloat16* wr = wp + row * k;
-      for (int64_t i = 0; i < m; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < k; c += 32) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + c);
-        for (int64_t i = 0; i < m; ++i)
-          acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(xp + i * k + c), wv);
-      }
-      for (int64_t i = 0; i < m; ++i) {
-        float v = _mm512_reduce_add_ps(acc[i]);
-        if (bp != nullptr) v += static_cast<float>(bp[row]);
-        op[i * n + row] = static_cast<c10::BFloat16>(v);
+  const int64_t ldx = x.stride(0), panel_size = k2 * 64;
+  at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < m; r0 += kGemmBlockRows) {
+      const int64_t r1 = std::min(m, r0 + kGemmBlockRows);
+      for (int64_t p = begin; p < end; ++p) {
+        const c10::BFloat16* panel = wp + p * panel_size;
+        const char* next = reinterpret_cast<const char*>(panel + panel_size);
+        const c10::BFloat16* pb = bp != nullptr ? bp + p * 32 : nullptr;
+        for (int64_t r = r0; r < r1; r += kGemmRows) {
+          const int64_t rows = std::min<int64_t>(kGemmRows, r1 - r);
+          const auto& table = (r == 0 && p + 1 < end) ? prefetching : tiles;
+          table[rows - 1](xp + r * ldx, ldx, panel, k2, pb, op + r * n + p * 32, n, next);
+        }
       }
     }
   });
@@ -799,7 +851,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVX512BF16__)
   m.def("rms_norm_bf16", &rms_norm_bf16, "bfloat16 RMSNorm, optionally fused with the residual add");
   m.def("silu_and_mul_bf16", &silu_and_mul_bf16, "bfloat16 silu(gate) * up");
-  m.def("skinny_linear_bf16", &skinny_linear_bf16, "bfloat16 x @ w.T for at most 8 rows");
+  m.def("gemm_bf16", &gemm_bf16, "bfloat16 x @ w.T with w packed in 32-column panels");
   m.def("prefill_softmax_bf16", &prefill_softmax_bf16,
         "causal softmax of prompt-chunk attention scores, in place");
 #endif

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpullm.model_executor.layers.linear import pack_linear_weight, packed_linear
+from cpullm.model_executor.layers.linear import PackedGemm
 
 
 class VocabEmbedding(nn.Module):
@@ -24,15 +24,14 @@ class VocabEmbedding(nn.Module):
 class LMHead(VocabEmbedding):
     """Projects hidden states to vocabulary logits."""
 
-    packed: torch.Tensor | None = None
+    gemm: PackedGemm | None = None
 
     def process_weights_after_loading(self, ops: ModuleType | None) -> None:
-        """A oneDNN-packed copy for bfloat16/float16 (the weight itself may be shared with
-        the embedding table, which needs the plain layout)."""
-        if ops is not None and self.weight.dtype in (torch.bfloat16, torch.float16):
-            self.packed = pack_linear_weight(self.weight.data)
+        """A packed copy for the bfloat16/float16 GEMMs (the weight itself may be shared
+        with the embedding table, which needs the plain layout)."""
+        self.gemm = PackedGemm.create(self.weight.data, ops)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return packed_linear(hidden, self.packed, None)
+        if self.gemm is not None:
+            return self.gemm(hidden, None)
         return F.linear(hidden, self.weight)

@@ -52,9 +52,8 @@ def _log_gemm_paths(model: nn.Module, dtype: torch.dtype) -> None:
         return
     for name, module in model.named_modules():
         if isinstance(module, LinearBase):
-            if module.packed is not None:
-                path = "oneDNN matmul, prepacked weight" + (
-                    "; few-row bf16 kernel up to 4 rows" if module.skinny else "")
+            if module.gemm is not None:
+                path = module.gemm.describe()
             elif dtype == torch.float32 and torch.backends.mkl.is_available():
                 path = "MKL sgemm"
             else:
