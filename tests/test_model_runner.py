@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cpullm.worker.model_runner import _kv_cache_tensor
+from cpullm.worker.model_runner import _kv_cache_tensor, _reserve
 
 
 def _rss() -> int:
@@ -18,7 +18,8 @@ def test_kv_cache_is_zero_and_resident():
     del dirty
     before = _rss()
     cache = _kv_cache_tensor((2, 256, 128, 4, 64), torch.bfloat16)  # 32 MiB
-    assert _rss() - before >= 30 << 20  # faulted in when reserved, not on first use
+    _reserve([cache])
+    assert _rss() - before >= 30 << 20  # resident when reserved, not on first use
     assert cache.shape == (2, 256, 128, 4, 64) and cache.dtype == torch.bfloat16
     assert not torch.isnan(cache).any() and not cache.any()
     cache.view(-1)[:10] = 1.0  # writable

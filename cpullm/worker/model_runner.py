@@ -7,6 +7,8 @@ scheduler state, so it can move into a worker process behind the same contract.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import mmap
 import threading
 import time
@@ -23,6 +25,7 @@ from cpullm.model_executor.layers.ops import load_ops
 from cpullm.model_executor.loader import get_model
 from cpullm.platform.affinity import bind_compute_threads, prefer_local_memory
 from cpullm.platform.memory import tune_malloc
+from cpullm.platform.topology import CpuTopology
 from cpullm.worker.sampler import LogprobsLists, Sampler, SamplingBatch, compute_logprobs
 
 logger = init_logger(__name__)
@@ -30,29 +33,38 @@ logger = init_logger(__name__)
 
 # Linux 5.14+: fault a range in for writing, without writing it.
 _MADV_POPULATE_WRITE = 23
+_RESERVE_CHUNK = 32 << 20  # a multiple of the huge page size
 
 
 def _kv_cache_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed tensor in its own anonymous mapping, resident from the start, on huge
-    pages where the kernel has them. Zero matters: attention reads padding slots (masked),
-    and garbage there could be NaN, which a mask does not remove.
-
-    The cache is reserved up front as vLLM CPU reserves its KV space: faulting pages in
-    while requests run put page faults in the prompt steps, and 4 KiB pages make the
-    attention kernels miss the TLB on every block they walk (huge pages: ~5% more offline
-    throughput on a 135M model). Huge pages faulted lazily are worse than none: each
-    first touch then stalls on compaction."""
+    """A zeroed tensor in its own anonymous mapping, on huge pages where the kernel has
+    them (``_reserve`` then makes it resident). Zero matters: attention reads padding slots
+    (masked), and garbage there could be NaN, which a mask does not remove."""
     numel = torch.Size(shape).numel()
     nbytes = numel * torch.tensor([], dtype=dtype).element_size()
     buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    tensor = torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    with contextlib.suppress(AttributeError, OSError):  # where there are no huge pages
         buffer.madvise(mmap.MADV_HUGEPAGE)
-    try:
-        buffer.madvise(_MADV_POPULATE_WRITE)
-    except OSError:  # an older kernel: write the zeros instead
-        tensor.zero_()
-    return tensor
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
+
+
+def _reserve(tensors: list[torch.Tensor]) -> None:
+    """Fault every page of ``tensors`` in now, as vLLM CPU reserves its KV space: pages
+    faulted in while requests run put page faults in the prompt steps, and on 4 KiB pages
+    the attention kernels miss the TLB on every block they walk (huge pages: ~5% more
+    offline throughput on a 135M model). Huge pages faulted lazily are worse than none:
+    each first touch then stalls on compaction. The calls wait in the kernel with the GIL
+    released, so this runs beside the weight loading; each covers 32 MiB, so the loader's
+    own mappings never wait long on the address-space lock."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for tensor in tensors:
+        start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
+        for chunk in range(start, end, _RESERVE_CHUNK):
+            length = min(_RESERVE_CHUNK, end - chunk)
+            if libc.madvise(ctypes.c_void_p(chunk), ctypes.c_size_t(length),
+                            _MADV_POPULATE_WRITE) != 0:
+                tensor.zero_()  # a kernel before 5.14: write the zeros instead
+                break
 
 
 @dataclass
@@ -73,37 +85,45 @@ class ModelRunner:
         model_config = config.model
         self.block_size = config.cache.block_size
         self.sliding_window = model_config.sliding_window
-        cpus = self._bound_cpus()
-        if cpus:  # weights and KV cache on the NUMA node of the compute threads
-            prefer_local_memory(config.parallel.topology, cpus)
-        ops = None if model_config.enforce_eager else load_ops()
-        self.model = get_model(model_config, ops)
+        binding = self._binding()
+        if binding is not None:  # weights and KV cache on the NUMA node of the compute threads
+            prefer_local_memory(*binding)
         shape = (2, config.cache.num_blocks, self.block_size, model_config.num_kv_heads,
                  model_config.head_dim)  # per layer
-        start = time.perf_counter()
         self.kv_caches = [_kv_cache_tensor(shape, model_config.dtype)
                           for _ in range(model_config.num_layers)]
-        logger.info("KV cache reserved in %.1f s", time.perf_counter() - start)
+        # Where the host backs a VM's memory page by page, reserving takes seconds.
+        reserving = threading.Thread(target=_reserve, args=(self.kv_caches,), name="kv-reserve",
+                                     daemon=True)
+        start = time.perf_counter()
+        reserving.start()
+        ops = None if model_config.enforce_eager else load_ops()
+        self.model = get_model(model_config, ops)
+        reserving.join()
+        logger.info("KV cache of %.2f GiB reserved (%.1f s with the model loading)",
+                    sum(c.nbytes for c in self.kv_caches) / (1 << 30), time.perf_counter() - start)
         self.sampler = Sampler(model_config.vocab_size, eos_token_ids, ops)
         self.generators: dict[str, torch.Generator] = {}
         self._bound_thread: int | None = None
 
-    def _bound_cpus(self) -> list[int]:
-        """The CPUs this rank's compute threads are pinned to; empty when unbound."""
+    def _binding(self) -> tuple[CpuTopology, list[int]] | None:
+        """The topology and the CPUs this rank's compute threads are pinned to; None when
+        unbound."""
         parallel = self.config.parallel
         if parallel.binding.mode == "nobind" or parallel.topology is None:
-            return []
-        return list(parallel.binding.rank_cpus[0])
+            return None
+        return parallel.topology, list(parallel.binding.rank_cpus[0])
 
     def _bind_threads(self) -> None:
         """Pin the compute threads of the thread that runs the model (OpenMP keeps one
         pool per calling thread, so this happens on the first step of each thread)."""
         self._bound_thread = threading.get_ident()
-        cpus = self._bound_cpus()
-        if not cpus:
+        binding = self._binding()
+        if binding is None:
             return
+        topology, cpus = binding
         got = bind_compute_threads(cpus, load_ops())
-        prefer_local_memory(self.config.parallel.topology, cpus)
+        prefer_local_memory(topology, cpus)
         logger.info("Compute threads pinned: %s", ", ".join(
             f"thread {i} -> CPU {cpu}" for i, cpu in enumerate(got)))
 
