@@ -131,6 +131,32 @@ def test_packed_linear_matches_float32(rows, output_size):
 
 
 @needs_bf16
+@pytest.mark.parametrize("rows", [1, 13, 300])
+@pytest.mark.parametrize("intermediate", [1536, 1544])
+def test_gate_up_silu_fused_matches_unfused(rows, intermediate):
+    """silu(gate) * up in the GEMM's store (1536: interleaved panels) equals the merged GEMM
+    followed by the SiLU-mul kernel bit for bit; 1544 (not a multiple of 16) runs unfused."""
+    from cpullm.model_executor.layers.activation import SiluAndMul
+    from cpullm.model_executor.layers.linear import GateUpSiluLinear, MergedColumnLinear
+
+    torch.manual_seed(rows)
+    weight = torch.randn(2 * intermediate, 576, dtype=torch.bfloat16) / 24
+    bias = torch.randn(2 * intermediate, dtype=torch.bfloat16)
+    fused = GateUpSiluLinear(576, intermediate, bias=True, dtype=torch.bfloat16, ops=ops)
+    merged = MergedColumnLinear(576, [intermediate] * 2, bias=True, dtype=torch.bfloat16)
+    for layer in (fused, merged):
+        layer.weight.data, layer.bias.data = weight.clone(), bias.clone()
+        layer.process_weights_after_loading(ops)
+    assert fused.gemm is not None and fused.gemm.silu_mul == (intermediate % 16 == 0)
+    x = torch.randn(rows, 576, dtype=torch.bfloat16)
+    got = fused(x)
+    assert got.shape == (rows, intermediate)
+    assert torch.equal(got, SiluAndMul(ops)(merged(x)))
+    gate, up = F.linear(x.float(), weight.float(), bias.float()).chunk(2, dim=-1)
+    assert torch.allclose(got.float(), F.silu(gate) * up, atol=0.1, rtol=0.03)
+
+
+@needs_bf16
 @pytest.mark.parametrize("window", [0, 40])
 @pytest.mark.parametrize("shapes", [
     [(20, 1), (47, 1), (0, 33), (30, 9), (16, 70)],  # chunks of different lengths

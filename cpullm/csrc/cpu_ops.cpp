@@ -596,10 +596,14 @@ void silu_and_mul_bf16(at::Tensor out, at::Tensor x) {
 // tiles of up to 12 (24 accumulators), and while it computes the first tile it prefetches
 // its next panel into L2, so weights that come from memory (every decode step reads them
 // all once) stream in behind the arithmetic instead of stalling it.
+//
+// With silu_mul, each panel holds 16 gate columns then the 16 matching up columns (the
+// caller interleaves a merged gate-up weight so), and the store writes
+// silu(gate) * up, rounded where silu_and_mul_bf16 rounds, into an output half as wide.
 constexpr int kGemmRows = 12;
 constexpr int64_t kGemmBlockRows = 264;  // rows of x a thread keeps in L2 across its panels
 
-template <int MR, bool PREFETCH>
+template <int MR, bool PREFETCH, bool SILU_MUL>
 void gemm_tile(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t k2,
                const c10::BFloat16* bias, c10::BFloat16* out, int64_t ldo, const char* next) {
   __m512 acc[MR][2];
@@ -625,32 +629,44 @@ void gemm_tile(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, 
     bias1 = bf16x16_load(bias + 16);
   }
   for (int r = 0; r < MR; ++r) {
-    bf16x16_store(out + r * ldo, _mm512_add_ps(acc[r][0], bias0));
-    bf16x16_store(out + r * ldo + 16, _mm512_add_ps(acc[r][1], bias1));
+    if (SILU_MUL) {
+      const __m512 gate = bf16_round(_mm512_add_ps(acc[r][0], bias0));
+      const __m512 up = bf16_round(_mm512_add_ps(acc[r][1], bias1));
+      const __m512 act = bf16_round(_mm512_div_ps(
+          gate, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate)))));
+      bf16x16_store(out + r * ldo, _mm512_mul_ps(act, up));
+    } else {
+      bf16x16_store(out + r * ldo, _mm512_add_ps(acc[r][0], bias0));
+      bf16x16_store(out + r * ldo + 16, _mm512_add_ps(acc[r][1], bias1));
+    }
   }
 }
 
 using GemmTile = void (*)(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t,
                           const c10::BFloat16*, c10::BFloat16*, int64_t, const char*);
+using GemmTiles = std::array<GemmTile, kGemmRows>;
 
-template <int... MR>
-constexpr std::array<GemmTile, sizeof...(MR)> gemm_tiles(bool prefetch,
-                                                         std::integer_sequence<int, MR...>) {
-  return prefetch ? std::array<GemmTile, sizeof...(MR)>{&gemm_tile<MR + 1, true>...}
-                  : std::array<GemmTile, sizeof...(MR)>{&gemm_tile<MR + 1, false>...};
+// tiles<PREFETCH, SILU_MUL>[rows - 1] computes a tile of that many rows.
+template <bool PREFETCH, bool SILU_MUL, int... MR>
+constexpr GemmTiles gemm_tiles(std::integer_sequence<int, MR...>) {
+  return GemmTiles{&gemm_tile<MR + 1, PREFETCH, SILU_MUL>...};
 }
 
-void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias) {
+void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias,
+               bool silu_mul) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16 &&
               out.scalar_type() == at::kBFloat16, "gemm_bf16: bfloat16 tensors expected");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.stride(0) % 2 == 0 && out.is_contiguous() &&
               panels.is_contiguous() && panels.dim() == 4 && panels.size(2) == 32 &&
               panels.size(3) == 2, "gemm_bf16: rows of x, packed panels [N/32, K/2, 32, 2]");
   const int64_t m = x.size(0), k2 = panels.size(1), n = panels.size(0) * 32;
-  TORCH_CHECK(x.size(1) == 2 * k2 && out.size(0) == m && out.size(1) == n,
+  const int64_t width = silu_mul ? n / 2 : n, panel_width = silu_mul ? 16 : 32;
+  TORCH_CHECK(x.size(1) == 2 * k2 && out.size(0) == m && out.size(1) == width,
               "gemm_bf16: shapes do not match");
-  static const auto tiles = gemm_tiles(false, std::make_integer_sequence<int, kGemmRows>{});
-  static const auto prefetching = gemm_tiles(true, std::make_integer_sequence<int, kGemmRows>{});
+  using Rows = std::make_integer_sequence<int, kGemmRows>;
+  static const GemmTiles tables[2][2] = {
+      {gemm_tiles<false, false>(Rows{}), gemm_tiles<false, true>(Rows{})},
+      {gemm_tiles<true, false>(Rows{}), gemm_tiles<true, true>(Rows{})}};
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   const c10::BFloat16* wp = panels.data_ptr<c10::BFloat16>();
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
@@ -665,8 +681,9 @@ void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at
         const c10::BFloat16* pb = bp != nullptr ? bp + p * 32 : nullptr;
         for (int64_t r = r0; r < r1; r += kGemmRows) {
           const int64_t rows = std::min<int64_t>(kGemmRows, r1 - r);
-          const auto& table = (r == 0 && p + 1 < end) ? prefetching : tiles;
-          table[rows - 1](xp + r * ldx, ldx, panel, k2, pb, op + r * n + p * 32, n, next);
+          const GemmTiles& table = tables[r == 0 && p + 1 < end][silu_mul];
+          table[rows - 1](xp + r * ldx, ldx, panel, k2, pb, op + r * width + p * panel_width,
+                          width, next);
         }
       }
     }
@@ -851,7 +868,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVX512BF16__)
   m.def("rms_norm_bf16", &rms_norm_bf16, "bfloat16 RMSNorm, optionally fused with the residual add");
   m.def("silu_and_mul_bf16", &silu_and_mul_bf16, "bfloat16 silu(gate) * up");
-  m.def("gemm_bf16", &gemm_bf16, "bfloat16 x @ w.T with w packed in 32-column panels");
+  m.def("gemm_bf16", &gemm_bf16, "bfloat16 x @ w.T with w packed in 32-column panels, "
+        "optionally silu(gate) * up of interleaved gate and up panels");
   m.def("prefill_softmax_bf16", &prefill_softmax_bf16,
         "causal softmax of prompt-chunk attention scores, in place");
 #endif

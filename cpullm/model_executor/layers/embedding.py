@@ -29,9 +29,9 @@ class LMHead(VocabEmbedding):
     def process_weights_after_loading(self, ops: ModuleType | None) -> None:
         """A packed copy for the bfloat16/float16 GEMMs (the weight itself may be shared
         with the embedding table, which needs the plain layout)."""
-        self.gemm = PackedGemm.create(self.weight.data, ops)
+        self.gemm = PackedGemm.create(self.weight.data, None, ops)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.gemm is not None:
-            return self.gemm(hidden, None)
+            return self.gemm(hidden)
         return F.linear(hidden, self.weight)

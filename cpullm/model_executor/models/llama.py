@@ -14,10 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from cpullm.model_executor.layers.activation import SiluAndMul
 from cpullm.model_executor.layers.attention import AttentionMetadata, PagedAttention
 from cpullm.model_executor.layers.embedding import LMHead, VocabEmbedding
-from cpullm.model_executor.layers.linear import MergedColumnLinear, QKVLinear, ReplicatedLinear
+from cpullm.model_executor.layers.linear import GateUpSiluLinear, QKVLinear, ReplicatedLinear
 from cpullm.model_executor.layers.norm import RMSNorm
 from cpullm.model_executor.layers.rotary import RotaryEmbedding
 from cpullm.model_executor.loader.weights import load_named_weights
@@ -61,13 +60,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
                  dtype: torch.dtype, ops: ModuleType | None) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate_size] * 2, bias=bias,
-                                               dtype=dtype)
+        self.gate_up_proj = GateUpSiluLinear(hidden_size, intermediate_size, bias, dtype, ops)
         self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
-        self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
