@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -107,13 +109,17 @@ def test_bf16_norm_and_silu_are_bit_identical(rows):
 
 
 @needs_bf16
+@pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 12, 13, 130, 600])
 @pytest.mark.parametrize("output_size", [960, 968])
-def test_packed_linear_matches_float32(rows, output_size):
-    """cpullm's bf16 GEMM (output sizes a multiple of 32; row tiles of 12, blocks of 264)
-    and oneDNN's on a prepacked weight (the rest), from rows of a wider tensor too."""
+def test_packed_linear_matches_float32(rows, output_size, amx, monkeypatch):
+    """cpullm's bf16 GEMM (output sizes a multiple of 32; row tiles of 12, blocks of 264;
+    with AMX only up to 8 rows) and oneDNN's on a prepacked weight (the rest), from rows of
+    a wider tensor too."""
+    from cpullm.model_executor.layers import linear
     from cpullm.model_executor.layers.linear import ReplicatedLinear
 
+    monkeypatch.setattr(linear, "_has_amx", lambda: amx)
     torch.manual_seed(rows)
     layer = ReplicatedLinear(576, output_size, bias=True, dtype=torch.bfloat16)
     weight = torch.randn(output_size, 576, dtype=torch.bfloat16) / 24
@@ -124,6 +130,7 @@ def test_packed_linear_matches_float32(rows, output_size):
     layer.process_weights_after_loading(ops)
     assert layer.gemm is not None and layer.weight.numel() == 0  # the packed copy only
     assert (layer.gemm.kernel is not None) == (output_size % 32 == 0)
+    assert layer.gemm.own_rows == (0 if output_size % 32 else 8 if amx else sys.maxsize)
     for x in (wide[:, :576], wide[:, :576].contiguous().view(1, rows, 576)):
         got = layer(x)
         assert got.dtype == torch.bfloat16 and got.shape == (*x.shape[:-1], output_size)
@@ -131,14 +138,18 @@ def test_packed_linear_matches_float32(rows, output_size):
 
 
 @needs_bf16
+@pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("rows", [1, 13, 300])
 @pytest.mark.parametrize("intermediate", [1536, 1544])
-def test_gate_up_silu_fused_matches_unfused(rows, intermediate):
+def test_gate_up_silu_fused_matches_unfused(rows, intermediate, amx, monkeypatch):
     """silu(gate) * up in the GEMM's store (1536: interleaved panels) equals the merged GEMM
-    followed by the SiLU-mul kernel bit for bit; 1544 (not a multiple of 16) runs unfused."""
+    followed by the SiLU-mul kernel bit for bit; 1544 (not a multiple of 16), and more than
+    8 rows with AMX, run oneDNN's GEMM, then the kernel."""
+    from cpullm.model_executor.layers import linear
     from cpullm.model_executor.layers.activation import SiluAndMul
     from cpullm.model_executor.layers.linear import GateUpSiluLinear, MergedColumnLinear
 
+    monkeypatch.setattr(linear, "_has_amx", lambda: amx)
     torch.manual_seed(rows)
     weight = torch.randn(2 * intermediate, 576, dtype=torch.bfloat16) / 24
     bias = torch.randn(2 * intermediate, dtype=torch.bfloat16)
@@ -147,7 +158,8 @@ def test_gate_up_silu_fused_matches_unfused(rows, intermediate):
     for layer in (fused, merged):
         layer.weight.data, layer.bias.data = weight.clone(), bias.clone()
         layer.process_weights_after_loading(ops)
-    assert fused.gemm is not None and fused.gemm.silu_mul == (intermediate % 16 == 0)
+    assert fused.gemm is not None and fused.gemm.silu_mul
+    assert (fused.gemm.kernel is not None) == (intermediate % 16 == 0)
     x = torch.randn(rows, 576, dtype=torch.bfloat16)
     got = fused(x)
     assert got.shape == (rows, intermediate)
