@@ -76,7 +76,7 @@ class LinearBase(nn.Module):
 
 # Where the CPU has AMX tiles, oneDNN's matmul runs bfloat16 GEMMs on them; the own GEMM
 # (BF16 dot products on AVX-512) then keeps only what is a stream of weights more than
-# arithmetic. Measured on a 16-core Sapphire Rapids-class Xeon, 30 decoder layers of a 135M
+# arithmetic. Measured on a 16-core Intel Xeon with AMX-BF16, 30 decoder layers of a 135M
 # model: the own GEMM 25-40% faster at 1-8 rows, oneDNN 3-15x faster from 32 rows.
 _OWN_GEMM_ROWS_WITH_AMX = 8
 
