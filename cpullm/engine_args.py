@@ -123,8 +123,7 @@ class EngineArgs:
         binding = plan_binding(topology, envs.VLLM_CPU_OMP_THREADS_BIND, sizes.world_size,
                                envs.VLLM_CPU_NUM_OF_RESERVED_CPU, envs.CPU_VISIBLE_MEMORY_NODES)
         logger.info("Thread binding %s", binding.describe())
-        parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                                  self.data_parallel_size, binding, topology)
+        parallel = dataclasses.replace(sizes, binding=binding, topology=topology)
         scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len)
         cache = CacheConfig(self.block_size, self._num_kv_blocks(model_config, parallel),
                             self.enable_prefix_caching)

@@ -56,9 +56,9 @@ class LinearBase(nn.Module):
     def process_weights_after_loading(self, ops: ModuleType | None) -> None:
         """With the compiled kernels, a bfloat16/float16 weight moves into the layout of
         the GEMM that runs it; the plain copy is dropped."""
-        self._pack(ops, silu_mul=False)
+        self._pack(ops, silu_mul=None)
 
-    def _pack(self, ops: ModuleType | None, silu_mul: bool) -> None:
+    def _pack(self, ops: ModuleType | None, silu_mul: SiluAndMul | None) -> None:
         bias = None if self.bias is None else self.bias.data
         self.gemm = PackedGemm.create(self.weight.data, bias, ops, silu_mul)
         if self.gemm is not None:
@@ -101,18 +101,17 @@ class PackedGemm:
     ``silu_mul`` (a merged gate-up weight): the call returns silu(gate) * up. For the own
     GEMM the gate and up halves are interleaved 16 rows at a time, so that each panel holds
     matching gate and up columns, and the activation is applied as the product is stored;
-    after oneDNN's matmul it runs as its own kernel."""
+    after oneDNN's matmul ``silu_mul`` runs on the product."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: ModuleType,
-                 silu_mul: bool) -> None:
+                 silu_mul: SiluAndMul | None) -> None:
         n, k = weight.shape
         kernel = getattr(ops, "gemm_bf16", None)
         own = weight.dtype == torch.bfloat16 and kernel is not None and n % 32 == 0 \
             and k % 2 == 0
         self.kernel = kernel if own else None
-        self.silu_mul = silu_mul
-        self.act = SiluAndMul(ops) if silu_mul else None
-        self.output_size = n // 2 if silu_mul else n
+        self.act = silu_mul
+        self.output_size = n // 2 if silu_mul is not None else n
         self.bias = bias
         self.onednn: torch.Tensor | None = None
         if not own or _has_amx():
@@ -123,7 +122,7 @@ class PackedGemm:
             _OWN_GEMM_ROWS_WITH_AMX if self.onednn is not None else sys.maxsize)
         self.panels = self.panel_bias = None
         if own:
-            if silu_mul:  # rows: gate 0-15, up 0-15, gate 16-31, up 16-31, ...
+            if silu_mul is not None:  # rows: gate 0-15, up 0-15, gate 16-31, up 16-31, ...
                 weight = weight.view(2, n // 32, 16, k).transpose(0, 1).reshape(n, k)
                 if bias is not None:
                     bias = bias.view(2, n // 32, 16).transpose(0, 1).reshape(n)
@@ -132,7 +131,7 @@ class PackedGemm:
 
     @classmethod
     def create(cls, weight: torch.Tensor, bias: torch.Tensor | None, ops: ModuleType | None,
-               silu_mul: bool = False) -> PackedGemm | None:
+               silu_mul: SiluAndMul | None = None) -> PackedGemm | None:
         """The packed weight, or None where neither GEMM applies (float32, no kernels, no
         oneDNN): the plain ATen GEMM then runs it."""
         if ops is None or weight.dtype not in (torch.bfloat16, torch.float16):
@@ -141,6 +140,10 @@ class PackedGemm:
             return cls(weight, bias, ops, silu_mul)
         except (RuntimeError, AttributeError):
             return None
+
+    @property
+    def silu_mul(self) -> bool:
+        return self.act is not None
 
     def describe(self) -> str:
         if self.onednn is None:
@@ -195,7 +198,7 @@ class GateUpSiluLinear(MergedColumnLinear):
         self.act = SiluAndMul(ops)
 
     def process_weights_after_loading(self, ops: ModuleType | None) -> None:
-        self._pack(ops, silu_mul=True)
+        self._pack(ops, silu_mul=self.act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemm is not None:
