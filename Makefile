@@ -3,6 +3,11 @@
 #   make test   set up, then run the test suite
 # and `make chat` to chat with the default model in the terminal.
 PYTHON ?= python3
+# make serve PORT=8080 MODEL=path/to/model-or.gguf HOST=0.0.0.0 ARGS="--dtype float32"
+PORT ?= 8000
+HOST ?= 127.0.0.1
+MODEL ?=
+ARGS ?=
 VENV := .venv
 BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
@@ -21,10 +26,10 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 serve: setup
-	$(BIN)/cpullm serve
+	$(BIN)/cpullm serve $(if $(MODEL),--model "$(MODEL)") --host $(HOST) --port $(PORT) $(ARGS)
 
 chat: setup
-	$(BIN)/cpullm chat
+	$(BIN)/cpullm chat $(if $(MODEL),--model "$(MODEL)") $(ARGS)
 
 test: setup
 	$(BIN)/python -m pytest -q tests

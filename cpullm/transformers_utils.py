@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from cpullm.logger import init_logger
+
+logger = init_logger(__name__)
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -60,17 +65,33 @@ def resolve_model(model: str | None) -> ModelSource:
         "and never downloads them)")
 
 
+def _where(source: ModelSource) -> str:
+    return (f"the GGUF metadata of {source.gguf_file}" if source.gguf_file
+            else f"{source.directory}")
+
+
 def load_hf_config(source: ModelSource) -> Any:
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file,
-                                      local_files_only=True)
+    # From a GGUF file this takes seconds: transformers parses all of its metadata, the
+    # whole vocabulary included, to build the config.
+    logger.info("Reading the model config from %s", _where(source))
+    start = time.perf_counter()
+    config = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file,
+                                        local_files_only=True)
+    logger.info("Model config read in %.1f s", time.perf_counter() - start)
+    return config
 
 
 def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> Any:
     from transformers import AutoTokenizer
 
+    logger.info("Loading the tokenizer from %s", tokenizer or _where(source))
+    start = time.perf_counter()
     if tokenizer is not None:
-        return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
-    return AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file,
-                                         local_files_only=True)
+        loaded = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    else:
+        loaded = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file,
+                                               local_files_only=True)
+    logger.info("Tokenizer loaded in %.1f s", time.perf_counter() - start)
+    return loaded

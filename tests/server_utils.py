@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -30,13 +31,23 @@ class RemoteServer:
              "--port", str(self.port), "--uvicorn-log-level", "warning"],
             env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True)
+        # Drained all along, so the server never blocks on a full pipe; read with log().
+        self._lines: list[str] = []
+        self._reader = threading.Thread(target=self._lines.extend, args=(self.proc.stdout,),
+                                        daemon=True)
+        self._reader.start()
         self._wait_healthy(timeout)
+
+    def log(self) -> str:
+        """What the server printed so far."""
+        return "".join(list(self._lines))
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.proc.stdout.read()}")
+                self._reader.join(5)
+                raise RuntimeError(f"server exited early:\n{self.log()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return

@@ -12,18 +12,21 @@ CLI = [sys.executable, "-m", "cpullm.entrypoints.cli", "bench"]
 ENGINE = ["--dtype", "float32", "--block-size", "32", "--max-model-len", "256"]
 
 
-def run(args: list[str]) -> str:
+def run(args: list[str]) -> subprocess.CompletedProcess:
     result = subprocess.run(CLI + args, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    return result
 
 
 def test_bench_throughput(tiny_model, tmp_path):
     out = tmp_path / "throughput.json"
-    stdout = run(["throughput", "--model", str(tiny_model("llama")), *ENGINE, "--num-prompts",
+    result = run(["throughput", "--model", str(tiny_model("llama")), *ENGINE, "--num-prompts",
                   "6", "--random-input-len", "20", "--random-output-len", "8",
                   "--random-range-ratio", "0.5", "--output-json", str(out)])
-    assert "Throughput:" in stdout
+    assert "Throughput:" in result.stdout
+    # Threads are pinned (and say so) before the progress bar starts, not on its line.
+    pinned = result.stderr.index("Compute threads pinned")
+    assert pinned < result.stderr.index("Processed prompts")
     result = json.loads(out.read_text())
     assert result["num_requests"] == 6
     assert result["total_num_tokens"] > 6 * 8 * 0.5
@@ -48,7 +51,7 @@ def test_bench_latency(tiny_model, tmp_path):
     out = tmp_path / "latency.json"
     stdout = run(["latency", "--model", str(tiny_model("llama")), *ENGINE, "--input-len", "8",
                   "--output-len", "4", "--batch-size", "2", "--num-iters-warmup", "1",
-                  "--num-iters", "3", "--output-json", str(out)])
+                  "--num-iters", "3", "--output-json", str(out)]).stdout
     assert "Avg latency" in stdout
     result = json.loads(out.read_text())
     assert len(result["latencies"]) == 3 and result["avg_latency"] > 0
@@ -59,14 +62,16 @@ def test_bench_serve(tiny_model, tmp_path):
     model = str(tiny_model("llama"))
     server = RemoteServer([model, *ENGINE])
     try:
-        stdout = run(["serve", "--base-url", server.url, "--tokenizer", model,
-                      "--num-prompts", "5", "--random-input-len", "16",
-                      "--random-output-len", "6", "--max-concurrency", "2", "--save-result",
-                      "--result-dir", str(tmp_path), "--result-filename", "serve.json"])
+        for backend in ("openai", "openai-chat"):
+            stdout = run(["serve", "--base-url", server.url, "--tokenizer", model,
+                          "--backend", backend, "--num-prompts", "5", "--random-input-len",
+                          "16", "--random-output-len", "6", "--max-concurrency", "2",
+                          "--save-result", "--result-dir", str(tmp_path), "--result-filename",
+                          f"{backend}.json"]).stdout
+            assert "Serving Benchmark Result" in stdout
+            result = json.loads((tmp_path / f"{backend}.json").read_text())
+            assert result["completed"] == 5 and result["failed"] == 0, backend
+            assert result["total_output_tokens"] == 5 * 6
+            assert result["mean_ttft_ms"] > 0 and result["p99_itl_ms"] > 0
     finally:
         server.stop()
-    assert "Serving Benchmark Result" in stdout
-    result = json.loads((tmp_path / "serve.json").read_text())
-    assert result["completed"] == 5 and result["failed"] == 0
-    assert result["total_output_tokens"] == 5 * 6
-    assert result["mean_ttft_ms"] > 0 and result["p99_itl_ms"] > 0

@@ -38,10 +38,14 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def offline(model_dir):
-    llm = LLM(model_dir, dtype="float32", block_size=32, max_model_len=512)
+def offline_llm(model_dir):
+    return LLM(model_dir, dtype="float32", block_size=32, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def offline(offline_llm):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    return {o.prompt: o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)}
+    return {o.prompt: o.outputs[0] for o in offline_llm.generate(PROMPTS, params, use_tqdm=False)}
 
 
 def test_models(client, model_dir):

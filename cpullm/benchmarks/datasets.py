@@ -18,17 +18,21 @@ class BenchRequest:
 def add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int = 1000,
                      with_seed: bool = True) -> None:
     """Dataset flags; ``with_seed=False`` where the engine's --seed is already a flag."""
-    parser.add_argument("--dataset-name", choices=["random", "sharegpt"], default="random")
+    parser.add_argument("--dataset-name", choices=["random", "sharegpt"], default="random",
+                        help="random token prompts, or conversations from --dataset-path")
     parser.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file")
-    parser.add_argument("--num-prompts", type=int, default=num_prompts)
-    parser.add_argument("--random-input-len", type=int, default=1024)
-    parser.add_argument("--random-output-len", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=num_prompts,
+                        help="requests to send")
+    parser.add_argument("--random-input-len", type=int, default=1024,
+                        help="prompt tokens of each random request")
+    parser.add_argument("--random-output-len", type=int, default=128,
+                        help="generated tokens of each random request")
     parser.add_argument("--random-range-ratio", type=float, default=0.0,
                         help="lengths drawn uniformly from len * [1 - r, 1 + r]")
     parser.add_argument("--sharegpt-output-len", type=int, default=None,
-                        help="output length for every ShareGPT request (default: the reply's)")
+                        help="output length for every ShareGPT request; unset: the reply's")
     if with_seed:
-        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--seed", type=int, default=0, help="seed of the workload")
 
 
 def sample_requests(args: argparse.Namespace, tokenizer: Any, max_model_len: int | None = None

@@ -11,22 +11,21 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from cpullm.benchmarks.datasets import add_dataset_args, sample_requests
-from cpullm.engine_args import EngineArgs
+from cpullm.engine_args import OFFLINE_DEFAULTS, EngineArgs
 from cpullm.entrypoints.llm import LLM
+from cpullm.logger import logging_to_tqdm
 from cpullm.sampling_params import SamplingParams
-
-OFFLINE_DEFAULTS = dict(max_num_seqs=256, max_num_batched_tokens=4096)
 
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None)
     add_dataset_args(parser, with_seed=False)
-    parser.add_argument("--output-json", default=None)
-    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--output-json", default=None,
+                        help="write the figures to this JSON file")
+    EngineArgs.add_cli_args(parser, **OFFLINE_DEFAULTS)
 
 
 def run_throughput(args: argparse.Namespace) -> dict[str, float]:
-    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, **OFFLINE_DEFAULTS))
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
     engine = llm.llm_engine
     requests = sample_requests(args, llm.get_tokenizer(), engine.config.model.max_model_len)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
@@ -59,18 +58,20 @@ def run_throughput(args: argparse.Namespace) -> dict[str, float]:
 
 
 def add_latency_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--input-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--num-iters-warmup", type=int, default=10)
-    parser.add_argument("--num-iters", type=int, default=30)
-    parser.add_argument("--output-json", default=None)
-    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, default=128,
+                        help="generated tokens per request")
+    parser.add_argument("--batch-size", type=int, default=8, help="requests in the batch")
+    parser.add_argument("--num-iters-warmup", type=int, default=10,
+                        help="untimed iterations first")
+    parser.add_argument("--num-iters", type=int, default=30, help="timed iterations")
+    parser.add_argument("--output-json", default=None,
+                        help="write the figures to this JSON file")
+    EngineArgs.add_cli_args(parser, **OFFLINE_DEFAULTS)
 
 
 def run_latency(args: argparse.Namespace) -> dict[str, object]:
-    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, **OFFLINE_DEFAULTS))
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
     rng = np.random.default_rng(args.seed)
     vocab = llm.llm_engine.config.model.vocab_size
     params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True,
@@ -84,9 +85,11 @@ def run_latency(args: argparse.Namespace) -> dict[str, object]:
         llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start
 
-    for _ in tqdm(range(args.num_iters_warmup), desc="Warmup iterations"):
-        once()
-    latencies = np.array([once() for _ in tqdm(range(args.num_iters), desc="Profiling iterations")])
+    with logging_to_tqdm():
+        for _ in tqdm(range(args.num_iters_warmup), desc="Warmup iterations"):
+            once()
+        latencies = np.array([once() for _ in tqdm(range(args.num_iters),
+                                                   desc="Profiling iterations")])
     percentiles = [10, 25, 50, 75, 90, 99]
     values = np.percentile(latencies, percentiles)
     print(f"Avg latency: {latencies.mean():.4f} seconds")

@@ -9,6 +9,7 @@ import json
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,19 +21,29 @@ from cpullm.benchmarks.datasets import BenchRequest, add_dataset_args, sample_re
 
 
 def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--endpoint", default="/v1/completions")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000",
+                        help="the server's address")
+    parser.add_argument("--backend", choices=list(_BACKENDS), default="openai",
+                        help="request shape: openai (completions, prompts as token ids) or "
+                        "openai-chat (chat completions, prompts as one user message)")
+    parser.add_argument("--endpoint", default=None,
+                        help="path of the API route (default: the backend's, "
+                        "/v1/completions or /v1/chat/completions)")
     parser.add_argument("--model", default=None,
                         help="model name sent to the server (default: its first model)")
     parser.add_argument("--tokenizer", default=None,
                         help="local tokenizer folder or GGUF file (default: the default model's)")
-    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="most requests in flight at once (default: all of them)")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="requests per second (Poisson arrivals); inf sends all at once")
-    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    parser.add_argument("--save-result", action="store_true")
-    parser.add_argument("--result-dir", default=".")
-    parser.add_argument("--result-filename", default=None)
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                        help="bearer key sent to the server (default: $OPENAI_API_KEY)")
+    parser.add_argument("--save-result", action="store_true",
+                        help="write the figures to a JSON file")
+    parser.add_argument("--result-dir", default=".", help="folder of the JSON file")
+    parser.add_argument("--result-filename", default=None,
+                        help="name of the JSON file (default: cpullm-serve-<time>.json)")
     add_dataset_args(parser, num_prompts=200)
 
 
@@ -51,11 +62,30 @@ class RequestResult:
     error: str = ""
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, request: BenchRequest,
+def _completion_body(model: str, request: BenchRequest, tokenizer: Any) -> dict[str, Any]:
+    return {"model": model, "prompt": request.prompt_token_ids,
+            "max_tokens": request.output_len}
+
+
+def _chat_body(model: str, request: BenchRequest, tokenizer: Any) -> dict[str, Any]:
+    # Chat takes text: the prompt's tokens decoded, as vLLM's client sends its random prompts.
+    return {"model": model, "max_completion_tokens": request.output_len,
+            "messages": [{"role": "user", "content": tokenizer.decode(request.prompt_token_ids)}]}
+
+
+# backend -> (default endpoint, request body)
+_BACKENDS: dict[str, tuple[str, Callable[[str, BenchRequest, Any], dict[str, Any]]]] = {
+    "openai": ("/v1/completions", _completion_body),
+    "openai-chat": ("/v1/chat/completions", _chat_body),
+}
+
+
+async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], prompt_len: int,
                headers: dict[str, str]) -> RequestResult:
-    result = RequestResult(prompt_len=len(request.prompt_token_ids))
-    body = {"model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len,
-            "temperature": 0.0, "ignore_eos": True, "stream": True,
+    """One streamed request. As vLLM's client does, every chunk with choices is a token event:
+    the first gives the TTFT, the others the inter-token latencies."""
+    result = RequestResult(prompt_len=prompt_len)
+    body = {**body, "temperature": 0.0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     start = last = time.perf_counter()
     try:
@@ -70,7 +100,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, request: BenchRe
                 now = time.perf_counter()
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                if chunk.get("choices"):
                     if result.ttft == 0.0:
                         result.ttft = now - start
                     else:
@@ -83,9 +113,10 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, request: BenchRe
     return result
 
 
-async def _run(args: argparse.Namespace, requests: list[BenchRequest], model: str
-               ) -> tuple[list[RequestResult], float]:
-    url = args.base_url.rstrip("/") + args.endpoint
+async def _run(args: argparse.Namespace, requests: list[BenchRequest], model: str,
+               tokenizer: Any) -> tuple[list[RequestResult], float]:
+    default_endpoint, make_body = _BACKENDS[args.backend]
+    url = args.base_url.rstrip("/") + (args.endpoint or default_endpoint)
     headers = _headers(args)
     limit = asyncio.Semaphore(args.max_concurrency or len(requests))
     rng = random.Random(args.seed)
@@ -94,7 +125,8 @@ async def _run(args: argparse.Namespace, requests: list[BenchRequest], model: st
     async with httpx.AsyncClient(timeout=httpx.Timeout(None)) as client:
         async def limited(request: BenchRequest) -> RequestResult:
             async with limit:
-                result = await _one(client, url, model, request, headers)
+                result = await _one(client, url, make_body(model, request, tokenizer),
+                                    len(request.prompt_token_ids), headers)
             bar.update(1)
             return result
 
@@ -123,7 +155,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
                                     headers=_headers(args)).json()["data"][0]["id"]
     tokenizer = load_tokenizer(resolve_model(args.tokenizer))
     requests = sample_requests(args, tokenizer)
-    results, duration = asyncio.run(_run(args, requests, model))
+    results, duration = asyncio.run(_run(args, requests, model, tokenizer))
     ok = [r for r in results if r.success]
     if not ok:
         raise RuntimeError(f"every request failed; first error: {results[0].error}")

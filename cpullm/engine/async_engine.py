@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -73,10 +72,10 @@ class EngineStats:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine,
-                 on_step: Callable[[list[RequestOutput], float], None] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[int], None] | None = None) -> None:
         self.engine = engine
-        self.on_step = on_step  # called on the engine thread with each step's outputs
+        # called on the engine thread after each step with the number of tokens it computed
+        self.on_step = on_step
         self.stats = EngineStats()
         self.dead_error: BaseException | None = None
         self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
@@ -143,9 +142,7 @@ class AsyncEngine:
                 self._update_stats()  # aborts may have freed blocks
                 continue
             try:
-                start = time.perf_counter()
                 outputs = engine.step()
-                elapsed = time.perf_counter() - start
             except Exception as e:  # the engine's state is unknown now: stop serving
                 logger.exception("Engine step failed; failing all requests")
                 self.dead_error = e
@@ -154,7 +151,7 @@ class AsyncEngine:
                 return
             self._update_stats()
             if self.on_step is not None:
-                self.on_step(outputs, elapsed)
+                self.on_step(engine.last_step_num_tokens)
             # One wake-up of each event loop per step, not one per request.
             deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any],
                                                                    RequestOutput]]] = {}

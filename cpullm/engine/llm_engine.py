@@ -78,6 +78,7 @@ class LLMEngine:
         self.requests: dict[str, _RequestState] = {}
         self._sample_of: dict[str, tuple[_RequestState, _Sample]] = {}
         self._ids = itertools.count()
+        self.last_step_num_tokens = 0  # prompt and output tokens computed by the last step
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -184,6 +185,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         # 1. Schedule.
         scheduler_output = self.scheduler.schedule()
+        self.last_step_num_tokens = scheduler_output.num_scheduled_tokens
         # 2. One forward pass and sampling.
         runner_output = self.model_runner.execute(scheduler_output)
         # 3. Prompt logprobs belong to positions from num_computed_tokens, before the update.
@@ -274,8 +276,13 @@ class LLMEngine:
         first = state.samples[0].request
         state.num_cached_tokens = first.num_cached_tokens
         state.metrics = {"arrival_time": first.arrival_time}
-        if first.first_token_time is not None:
-            state.metrics["first_token_time"] = first.first_token_time
+        for name in ("scheduled_time", "first_token_time"):
+            if getattr(first, name) is not None:
+                state.metrics[name] = getattr(first, name)
+        last = [s.request.last_token_time for s in state.samples
+                if s.request.last_token_time is not None]
+        if last:
+            state.metrics["last_token_time"] = max(last)
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids, prompt_logprobs=state.prompt_logprobs,

@@ -34,7 +34,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids",
                  "max_model_len", "arrival_time", "output_token_ids", "all_token_ids",
                  "num_computed_tokens", "block_table", "block_hashes", "status", "stop_reason",
-                 "num_cached_tokens", "first_token_time")
+                 "num_cached_tokens", "scheduled_time", "first_token_time", "last_token_time")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_ids: set[int],
@@ -44,8 +44,12 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        # Timestamps (time.monotonic) for the latency metrics: added, first scheduled, first
+        # and latest output token.
         self.arrival_time = time.monotonic()
+        self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         # KV of all_token_ids[:num_computed_tokens] is in the cache.
@@ -77,8 +81,9 @@ class Request:
         return room if limit is None else min(limit, room)
 
     def append_output_token(self, token_id: int) -> None:
+        self.last_token_time = time.monotonic()
         if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
+            self.first_token_time = self.last_token_time
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 

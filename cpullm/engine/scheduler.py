@@ -11,6 +11,7 @@ prompt and output so far, which gives the same tokens as an uninterrupted run.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -93,8 +94,9 @@ class Scheduler:
             if not self.kv_cache_manager.allocate_slots(request, num_new, cached_blocks):
                 break
             self.waiting.popleft()
-            if request.status == RequestStatus.WAITING:
+            if request.status == RequestStatus.WAITING:  # scheduled for the first time
                 request.num_cached_tokens = num_cached
+                request.scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append((request, num_new))

@@ -5,19 +5,40 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import Any
 
-from cpullm.engine_args import EngineArgs
+from cpullm.engine_args import CHAT_DEFAULTS, OFFLINE_DEFAULTS, EngineArgs
 
-# Scheduling budgets differ by job, as in vLLM: large batches offline, latency when serving.
-OFFLINE_DEFAULTS = dict(max_num_seqs=256, max_num_batched_tokens=4096)
-CHAT_DEFAULTS = dict(max_num_seqs=1, max_num_batched_tokens=4096)
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every flag's help line ends with its default; flags left unset say in their help
+    what unset means. Descriptions and epilogs keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if (action.default is None or action.default is argparse.SUPPRESS
+                or "%(default)" in help_text or not action.option_strings):
+            return help_text
+        return f"{help_text} (default: %(default)s)"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """cpullm's parsers, sub-command parsers included, format help with HelpFormatter."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=256,
+                        help="most tokens to generate per answer")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature; 0 is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="nucleus sampling: keep the most likely tokens up to this mass")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="keep only the k most likely tokens; 0 keeps all")
     parser.add_argument("--sampling-seed", type=int, default=None,
                         help="seed of the sampled tokens (--seed seeds the engine)")
 
@@ -32,7 +53,7 @@ def _sampling_params(args: argparse.Namespace):
 def _cmd_generate(args: argparse.Namespace) -> int:
     from cpullm.entrypoints.llm import LLM
 
-    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, **OFFLINE_DEFAULTS))
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
     for output in llm.generate(args.prompts, _sampling_params(args)):
         print(output.outputs[0].text)
         if len(args.prompts) > 1:
@@ -43,14 +64,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_chat(args: argparse.Namespace) -> int:
     from cpullm.entrypoints.chat import run_chat
 
-    engine_args = EngineArgs.from_cli_args(args, **CHAT_DEFAULTS)
+    engine_args = EngineArgs.from_cli_args(args)
     return run_chat(engine_args, _sampling_params(args), args.message, args.system)
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
     from cpullm.entrypoints.env_report import collect
 
-    print(collect(EngineArgs.from_cli_args(args, **OFFLINE_DEFAULTS)))
+    print(collect(EngineArgs.from_cli_args(args)))
     return 0
 
 
@@ -73,51 +94,72 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from cpullm.entrypoints.openai.api_server import run_server
 
+    if args.model_tag is not None:  # `serve MODEL` and `serve --model MODEL` are the same
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"model: given twice, as {args.model_tag!r} and --model "
+                             f"{args.model!r}")
+        args.model = args.model_tag
     return run_server(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cpullm", description="LLM inference on CPUs")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = ArgumentParser(prog="cpullm", description="LLM inference and serving on CPUs, "
+                            "with vLLM's flags and environment variables")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="what to do; `cpullm COMMAND --help` for its flags")
     commands: dict[str, Callable[[argparse.Namespace], int]] = {}
 
-    gen = sub.add_parser("generate", help="complete prompts offline and print the text")
-    gen.add_argument("prompts", nargs="+")
-    gen.add_argument("--model", default=None, help="model folder or GGUF file "
-                     "(default: SmolLM2-135M-Instruct)")
+    gen = sub.add_parser("generate", help="complete prompts offline and print the text",
+                         description="Complete prompts offline and print the text.")
+    gen.add_argument("prompts", nargs="+", help="the prompts, each completed on its own")
     _add_sampling_args(gen)
-    EngineArgs.add_cli_args(gen)
+    EngineArgs.add_cli_args(gen, **OFFLINE_DEFAULTS)
     commands["generate"] = _cmd_generate
 
-    chat = sub.add_parser("chat", help="chat with a model in the terminal")
+    chat = sub.add_parser("chat", help="chat with a model in the terminal",
+                          description="Chat with a model in the terminal; the answer streams "
+                          "as it is made.")
     chat.add_argument("message", nargs="?", default=None,
-                      help="answer this one message and exit (default: interactive)")
-    chat.add_argument("--model", default=None, help="model folder or GGUF file "
-                      "(default: SmolLM2-135M-Instruct)")
-    chat.add_argument("--system", default=None, help="system prompt")
+                      help="answer this one message and exit; unset: chat interactively")
+    chat.add_argument("--system", default=None, help="system prompt; unset: none")
     _add_sampling_args(chat)
-    EngineArgs.add_cli_args(chat)
+    EngineArgs.add_cli_args(chat, **CHAT_DEFAULTS)
     commands["chat"] = _cmd_chat
 
-    from cpullm.entrypoints.openai.cli_args import add_serve_args
+    from cpullm.entrypoints.openai.cli_args import SERVE_EPILOG, add_serve_args
 
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                           description="Serve the OpenAI-compatible HTTP API "
+                           "(/v1/completions, /v1/chat/completions, /v1/models, ...).",
+                           epilog=SERVE_EPILOG)
     add_serve_args(serve)
     commands["serve"] = _cmd_serve
 
     from cpullm.benchmarks.offline import add_latency_args, add_throughput_args
     from cpullm.benchmarks.serve import add_serve_bench_args
 
-    bench = sub.add_parser("bench", help="measure throughput and latency")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    add_throughput_args(bench_sub.add_parser("throughput", help="offline batch throughput"))
-    add_latency_args(bench_sub.add_parser("latency", help="latency of one batch"))
-    add_serve_bench_args(bench_sub.add_parser("serve", help="load an OpenAI-compatible server"))
+    bench = sub.add_parser("bench", help="measure throughput and latency",
+                           description="Measure throughput and latency, with the figures and "
+                           "flags of vLLM's bench commands.")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK",
+                                     help="what to measure")
+    add_throughput_args(bench_sub.add_parser(
+        "throughput", help="offline batch throughput",
+        description="Offline batch throughput of the engine on a synthetic or ShareGPT "
+        "workload."))
+    add_latency_args(bench_sub.add_parser(
+        "latency", help="latency of one batch",
+        description="Latency of one batch, prompt and generation, over several iterations."))
+    add_serve_bench_args(bench_sub.add_parser(
+        "serve", help="load an OpenAI-compatible server",
+        description="Load an OpenAI-compatible server (cpullm's or vLLM's) with streamed "
+        "requests and report TTFT, TPOT, ITL and throughput."))
     commands["bench"] = _cmd_bench
 
-    env = sub.add_parser("env", help="print the platform, configuration and library versions")
-    env.add_argument("--model", default=None)
-    EngineArgs.add_cli_args(env)
+    env = sub.add_parser("env", help="print the platform, configuration and library versions",
+                         description="Print the platform, the effective configuration and "
+                         "library versions, for bug reports.")
+    EngineArgs.add_cli_args(env, **OFFLINE_DEFAULTS)
     commands["env"] = _cmd_env
 
     parser.set_defaults(_commands=commands)

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from cpullm.engine.llm_engine import LLMEngine, Prompt
 from cpullm.engine_args import EngineArgs
+from cpullm.logger import logging_to_tqdm
 from cpullm.outputs import RequestOutput
 from cpullm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -83,13 +84,19 @@ class LLM:
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
+        # Pinned before the bar starts (its log line would land on the bar), and after the
+        # prompts are tokenized: threads this thread starts later inherit its one CPU, and
+        # the tokenizer starts its helper threads on first use.
+        engine.model_runner.bind_threads()
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
                    disable=not use_tqdm or len(request_ids) < 2)
         num_prompt_tokens = num_output_tokens = 0
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.finished:
+        with logging_to_tqdm():
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if not output.finished:
+                        continue
                     finished[output.request_id] = output
                     num_prompt_tokens += len(output.prompt_token_ids)
                     num_output_tokens += sum(len(o.token_ids) for o in output.outputs)

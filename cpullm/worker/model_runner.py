@@ -114,9 +114,12 @@ class ModelRunner:
             return None
         return parallel.topology, list(parallel.binding.rank_cpus[0])
 
-    def _bind_threads(self) -> None:
-        """Pin the compute threads of the thread that runs the model (OpenMP keeps one
-        pool per calling thread, so this happens on the first step of each thread)."""
+    def bind_threads(self) -> None:
+        """Pin the compute threads of the calling thread, the one that runs the model
+        (OpenMP keeps one pool per calling thread, so ``execute`` calls this on the first
+        step of each thread that steps the engine)."""
+        if self._bound_thread == threading.get_ident():
+            return
         self._bound_thread = threading.get_ident()
         binding = self._binding()
         if binding is None:
@@ -129,8 +132,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if self._bound_thread != threading.get_ident():
-            self._bind_threads()
+        self.bind_threads()
         for request_id in scheduler_output.finished_request_ids:
             self.generators.pop(request_id, None)
         if not scheduler_output.scheduled:

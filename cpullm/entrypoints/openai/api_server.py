@@ -22,7 +22,6 @@ from cpullm import envs
 from cpullm.engine.async_engine import AsyncEngine, EngineDeadError
 from cpullm.engine.llm_engine import LLMEngine
 from cpullm.engine_args import EngineArgs
-from cpullm.entrypoints.openai.cli_args import SERVE_DEFAULTS
 from cpullm.entrypoints.openai.metrics import ServerMetrics
 from cpullm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -137,6 +136,13 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     if api_key:
         app.add_middleware(_ApiKeyCheck, api_key=api_key)
 
+    @app.get("/")
+    async def root() -> dict[str, Any]:
+        return {"name": "cpullm", "version": cpullm.__version__, "model": served_model_name,
+                "routes": {"docs": "/docs", "models": "/v1/models", "health": "/health",
+                           "completions": "/v1/completions",
+                           "chat_completions": "/v1/chat/completions", "metrics": "/metrics"}}
+
     @app.get("/health")
     async def health() -> Response:
         if engine.errored:
@@ -217,7 +223,7 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     start = time.perf_counter()
-    engine_args = EngineArgs.from_cli_args(args, **SERVE_DEFAULTS)
+    engine_args = EngineArgs.from_cli_args(args)
     llm_engine = LLMEngine.from_engine_args(engine_args)
     served_name = llm_engine.config.model.served_model_name
     bind_frontend_thread(list(llm_engine.config.parallel.binding.reserved_cpus))

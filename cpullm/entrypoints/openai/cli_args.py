@@ -4,22 +4,32 @@ from __future__ import annotations
 
 import argparse
 
-from cpullm.engine_args import EngineArgs
+from cpullm.engine_args import SERVE_DEFAULTS, EngineArgs
 
-# Serving favours latency: fewer sequences and smaller steps than offline runs.
-SERVE_DEFAULTS = dict(max_num_seqs=128, max_num_batched_tokens=2048)
+SERVE_EPILOG = """\
+environment variables (vLLM CPU's names and meanings):
+  VLLM_CPU_KVCACHE_SPACE        KV cache size in GiB (--kv-cache-memory-bytes wins)
+  VLLM_CPU_OMP_THREADS_BIND     CPUs of the compute threads: auto, nobind, 0-31, 0-31|32-63
+  VLLM_CPU_NUM_OF_RESERVED_CPU  CPUs that auto binding leaves to the HTTP front-end
+  CPU_VISIBLE_MEMORY_NODES      NUMA nodes auto binding may use, in order
+  VLLM_LOGGING_LEVEL            log level (DEBUG, INFO, WARNING, ...)
+  VLLM_API_KEY                  bearer key required on /v1 routes when --api-key is unset
+
+Every flag and variable, with the rules behind the defaults: docs/configuration.md"""
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="model folder or GGUF file (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="model folder or GGUF file, the same as --model")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--api-key", default=None,
-                        help="require this bearer key on /v1 routes (or set VLLM_API_KEY)")
+                        help="require this bearer key on /v1 routes; unset: VLLM_API_KEY, "
+                        "or no key")
     parser.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="log level of the HTTP server")
     parser.add_argument("--disable-log-requests", action="store_true",
                         help="do not log each request's parameters")
-    EngineArgs.add_cli_args(parser)
+    EngineArgs.add_cli_args(parser, **SERVE_DEFAULTS)
     return parser

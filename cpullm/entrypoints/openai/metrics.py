@@ -1,20 +1,43 @@
-"""Prometheus metrics with vLLM's names and its ``vllm:`` prefix, so dashboards, alerts
-and benchmark tools written for a vLLM server read a cpullm server unchanged."""
+"""Prometheus metrics with vLLM's names, labels (``model_name``, ``engine``) and buckets, so
+dashboards, alerts and benchmark tools written for a vLLM server read a cpullm server
+unchanged."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cpullm.engine.async_engine import AsyncEngine
 from cpullm.outputs import RequestOutput
+from cpullm.sampling_params import SamplingParams
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_LABELS = ["model_name", "engine"]
+_ENGINE = "0"  # one engine core per server for now; data parallelism will number them
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                          2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's buckets for token counts)."""
+    buckets = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 class _EngineCollector(Collector):
@@ -22,11 +45,10 @@ class _EngineCollector(Collector):
 
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine = engine
-        self.model_name = model_name
+        self.labels = [model_name, _ENGINE]
 
     def collect(self) -> Iterator[Any]:
         stats = self.engine.stats
-        labels = ["model_name"]
         for name, doc, value in (
                 ("vllm:num_requests_running", "Requests in model execution batches.",
                  stats.num_running),
@@ -39,8 +61,8 @@ class _EngineCollector(Collector):
                 ("cpullm:kv_cache_total_blocks", "KV cache blocks in all.", stats.num_blocks),
                 ("cpullm:engine_dead", "1 once the engine loop has stopped on an error.",
                  int(self.engine.errored))):
-            gauge = GaugeMetricFamily(name, doc, labels=labels)
-            gauge.add_metric([self.model_name], value)
+            gauge = GaugeMetricFamily(name, doc, labels=_LABELS)
+            gauge.add_metric(self.labels, value)
             yield gauge
         for name, doc, value in (
                 ("vllm:num_preemptions", "Preemptions of running requests.",
@@ -49,40 +71,98 @@ class _EngineCollector(Collector):
                  stats.prefix_cache_queries),
                 ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                  stats.prefix_cache_hits)):
-            counter = CounterMetricFamily(name, doc, labels=labels)
-            counter.add_metric([self.model_name], value)
+            counter = CounterMetricFamily(name, doc, labels=_LABELS)
+            counter.add_metric(self.labels, value)
             yield counter
 
 
 class ServerMetrics:
+    """The server's metric families; request-level ones are recorded as requests finish,
+    the tokens of each engine step on the engine thread."""
+
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name))
-        labels = {"model_name": model_name}
+        self.model_name = model_name
+        config = engine.engine.config
+        max_model_len = config.model.max_model_len
+        token_buckets = buckets_1_2_5(max_model_len)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS):
-            return Histogram(name, doc, ["model_name"], registry=self.registry,
-                             buckets=buckets).labels(**labels)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, _LABELS, registry=self.registry,
+                             buckets=buckets).labels(model_name, _ENGINE)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, _LABELS, registry=self.registry).labels(model_name,
+                                                                              _ENGINE)
 
         self.time_to_first_token = histogram("vllm:time_to_first_token_seconds",
-                                             "Time to first token in seconds.")
+                                             "Time to first token in seconds.", _TTFT_BUCKETS)
         self.inter_token_latency = histogram("vllm:inter_token_latency_seconds",
-                                             "Time between streamed tokens in seconds.")
+                                             "Time between streamed tokens in seconds.",
+                                             _TOKEN_LATENCY_BUCKETS)
         self.e2e_latency = histogram("vllm:e2e_request_latency_seconds",
-                                     "End-to-end request latency in seconds.")
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.",
-                                     ["model_name"], registry=self.registry).labels(**labels)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens produced.",
-                                         ["model_name"], registry=self.registry).labels(**labels)
+                                     "End-to-end request latency in seconds.",
+                                     _REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Time a request waited before it was first scheduled.",
+                                    _REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Time from first scheduled to the first token.",
+                                      _REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "Time from the first token to the last.",
+                                     _REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "Time from first scheduled to the last token.",
+                                        _REQUEST_LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
+                                               "Prompt tokens of each finished request.",
+                                               token_buckets)
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Generated tokens of each finished request.",
+            token_buckets)
+        self.request_params_n = histogram("vllm:request_params_n",
+                                          "The n request parameter.", _N_BUCKETS)
+        self.request_params_max_tokens = histogram("vllm:request_params_max_tokens",
+                                                   "The max_tokens request parameter.",
+                                                   token_buckets)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total",
+                                          "Tokens computed by each engine step.",
+                                          _ITERATION_TOKEN_BUCKETS)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens",
+                                         "Generation tokens produced.")
         self._success = Counter("vllm:request_success", "Successfully finished requests.",
-                                ["model_name", "finished_reason"], registry=self.registry)
-        self.model_name = model_name
+                                [*_LABELS, "finished_reason"], registry=self.registry)
+        cache = config.cache
+        # vLLM names the KV blocks of its device "gpu blocks", on CPUs too.
+        info = {"block_size": cache.block_size, "num_gpu_blocks": cache.num_blocks,
+                "cache_dtype": str(config.model.dtype).removeprefix("torch."),
+                "enable_prefix_caching": cache.enable_prefix_caching, "engine": _ENGINE}
+        Gauge("vllm:cache_config_info", "Information of the engine's KV cache configuration.",
+              list(info), registry=self.registry).labels(
+                  **{k: str(v) for k, v in info.items()}).set(1)
+        engine.on_step = self.iteration_tokens.observe
 
-    def record_finished(self, output: RequestOutput, num_prompt_tokens: int,
-                        num_generated: int, e2e_seconds: float) -> None:
+    def record_finished(self, output: RequestOutput, params: SamplingParams,
+                        num_prompt_tokens: int, num_generated: int, e2e_seconds: float) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_generated)
         self.e2e_latency.observe(e2e_seconds)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_generated)
+        self.request_params_n.observe(params.n)
+        if params.max_tokens is not None:
+            self.request_params_max_tokens.observe(params.max_tokens)
+        times = output.metrics
+        for histogram, start, end in (
+                (self.queue_time, "arrival_time", "scheduled_time"),
+                (self.prefill_time, "scheduled_time", "first_token_time"),
+                (self.decode_time, "first_token_time", "last_token_time"),
+                (self.inference_time, "scheduled_time", "last_token_time")):
+            if start in times and end in times:
+                histogram.observe(times[end] - times[start])
         for completion in output.outputs:
             if completion.finish_reason is not None:
-                self._success.labels(self.model_name, completion.finish_reason).inc()
+                self._success.labels(self.model_name, _ENGINE, completion.finish_reason).inc()

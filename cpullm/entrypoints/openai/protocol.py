@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,7 +17,45 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are kept, not rejected (clients send fields of newer API versions), so
+    # that the server can name them in a warning instead of dropping them unseen.
+    model_config = ConfigDict(extra="allow")
+
+
+def _absent(value: Any) -> bool:
+    return value is None
+
+
+def _empty(value: Any) -> bool:
+    return value is None or value == []
+
+
+class _Refusing(OpenAIModel):
+    """A request body with fields that are refused (HTTP 400 naming the field) until they
+    are implemented: answering them with plain text would break the client later, where
+    the cause is hard to see. docs/api.md lists every field and its status."""
+
+    # field -> (which values can be served as they are, why the others are refused)
+    REFUSED: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
+
+    def refused_field(self) -> tuple[str, str] | None:
+        """The first refused field this request sets, with the reason; None if none."""
+        extra = self.model_extra or {}
+        for name, (servable, reason) in self.REFUSED.items():
+            if not servable(extra.get(name)):
+                return name, reason
+        return None
+
+    def ignored_fields(self) -> list[str]:
+        """Fields this server does not know: accepted, not acted on."""
+        return sorted(set(self.model_extra or {}) - set(self.REFUSED))
+
+
+_STRUCTURED = "structured outputs are not implemented yet"
+# vLLM's own structured-output fields, on both endpoints.
+_GUIDED = {name: (_absent, _STRUCTURED) for name in (
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+    "guided_whitespace_pattern", "structured_outputs")}
 
 
 class ErrorInfo(BaseModel):
@@ -35,7 +74,7 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(OpenAIModel):
+class _SamplingFields(_Refusing):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -49,8 +88,6 @@ class _SamplingFields(OpenAIModel):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    echo: bool = False
     # vLLM's extra sampling parameters
     top_k: int | None = None
     min_p: float | None = None
@@ -61,6 +98,16 @@ class _SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+
+    @property
+    def usage_at_end(self) -> bool:
+        """Stream a last chunk with the usage."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def usage_in_every_chunk(self) -> bool:
+        """Stream the usage so far in every chunk too (vLLM's continuous_usage_stats)."""
+        return self.usage_at_end and self.stream_options.continuous_usage_stats  # type: ignore
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
                            stream: bool) -> SamplingParams:
@@ -88,20 +135,30 @@ class _SamplingFields(OpenAIModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
     max_tokens: int | None = 16
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
 
+    REFUSED = {"response_format": (lambda v: v is None or v == {"type": "text"}, _STRUCTURED),
+               **_GUIDED}
 
-class TextPart(OpenAIModel):
-    type: Literal["text"]
-    text: str
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens=0: the prompt (and its logprobs) back, nothing generated, as
+        scoring clients ask for a prompt's logprobs."""
+        return self.echo and self.max_tokens == 0
+
+
+class ContentPart(OpenAIModel):
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -109,7 +166,22 @@ class ChatMessage(OpenAIModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ValueError(f"messages: content parts of type {part.type!r} are not "
+                                 "supported; this server takes text only")
+        return "".join(part.text or "" for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template sees it: text content, and any other fields the
+        client sent (name, tool_calls, tool_call_id, ...) as they are."""
+        message = {**(self.model_extra or {}), "role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+_TOOLS = "tool calling is not implemented yet"
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -122,6 +194,16 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    REFUSED = {"response_format": (lambda v: v is None or v == {"type": "text"}, _STRUCTURED),
+               "tools": (_empty, _TOOLS),
+               "tool_choice": (lambda v: v is None or v == "none", _TOOLS),
+               "functions": (_empty, _TOOLS),
+               "function_call": (lambda v: v is None or v == "none", _TOOLS),
+               "audio": (_absent, "audio output is not supported"),
+               "modalities": (lambda v: v is None or v == ["text"],
+                              "only the text modality is supported"),
+               **_GUIDED}
 
 
 class TokenizeRequest(OpenAIModel):

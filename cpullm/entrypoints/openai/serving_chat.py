@@ -10,6 +10,7 @@ from cpullm.entrypoints.openai.serving_engine import (
     OpenAIError,
     ServingBase,
     clamp_logprob,
+    prompt_logprobs_json,
     sse,
     top_entries,
     usage,
@@ -18,11 +19,13 @@ from cpullm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class ServingChat(ServingBase):
+    route = "/v1/chat/completions"
+
     def render(self, request: ChatCompletionRequest) -> list[int]:
         if not request.messages:
             raise OpenAIError("messages must contain at least one message.", 400, "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         try:
+            messages = [m.for_template() for m in request.messages]
             prompt = self.engine.engine.apply_chat_template(
                 messages, request.chat_template, request.add_generation_prompt,
                 request.continue_final_message, **(request.chat_template_kwargs or {}))
@@ -34,7 +37,7 @@ class ServingChat(ServingBase):
 
     async def create(self, request: ChatCompletionRequest
                      ) -> dict[str, Any] | AsyncIterator[str]:
-        self.check_model(request.model)
+        self.check_request(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true.", 400, "top_logprobs")
         token_ids = self.render(request)
@@ -54,9 +57,12 @@ class ServingChat(ServingBase):
         choices = [self._choice(request, c, {"role": "assistant", "content": c.text})
                    for c in final.outputs]
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        return {"id": response_id, "object": "chat.completion", "created": now(),
-                "model": self.served_model_name, "choices": choices,
-                "usage": usage(len(token_ids), completion_tokens)}
+        response = {"id": response_id, "object": "chat.completion", "created": now(),
+                    "model": self.served_model_name, "choices": choices,
+                    "usage": usage(len(token_ids), completion_tokens)}
+        if request.prompt_logprobs is not None:
+            response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
+        return response
 
     async def _stream(self, request: ChatCompletionRequest, response_id: str, num_prompt: int,
                       stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
@@ -69,16 +75,21 @@ class ServingChat(ServingBase):
                         "model": self.served_model_name, "choices": choices, **extra})
 
         try:
-            for index in range(request.n):  # the role comes first, as OpenAI sends it
-                started.add(index)
-                yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])
             async for output in stream:
                 for completion in output.outputs:
                     completion_tokens += len(completion.token_ids)
-                    delta = {"content": completion.text} if completion.text else {}
-                    yield chunk([self._choice(request, completion, delta, key="delta")])
-            if request.stream_options and request.stream_options.include_usage:
+                    delta: dict[str, Any] = {}
+                    if completion.index not in started:
+                        # The role rides on the first generated token, not ahead of the
+                        # prompt's computation: clients time their TTFT by the first chunk.
+                        started.add(completion.index)
+                        delta = {"role": "assistant", "content": completion.text}
+                    elif completion.text:
+                        delta = {"content": completion.text}
+                    extra = ({"usage": usage(num_prompt, completion_tokens)}
+                             if request.usage_in_every_chunk else {})
+                    yield chunk([self._choice(request, completion, delta, key="delta")], **extra)
+            if request.usage_at_end:
                 yield chunk([], usage=usage(num_prompt, completion_tokens))
         except OpenAIError as e:
             yield sse(e.body())

@@ -11,6 +11,7 @@ from cpullm.entrypoints.openai.serving_engine import (
     ServingBase,
     clamp_logprob,
     merge,
+    prompt_logprobs_json,
     sse,
     top_entries,
     usage,
@@ -19,6 +20,8 @@ from cpullm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class ServingCompletion(ServingBase):
+    route = "/v1/completions"
+
     def _prompts(self, request: CompletionRequest) -> list[list[int]]:
         prompt = request.prompt
         if isinstance(prompt, str):
@@ -31,14 +34,16 @@ class ServingCompletion(ServingBase):
                 for p in prompt]
 
     async def create(self, request: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
-        self.check_model(request.model)
+        self.check_request(request)
         if request.suffix is not None:
             raise OpenAIError("suffix is not supported.", 400, "suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of must equal n (beam search is not supported).", 400,
                               "best_of")
         prompts = self._prompts(request)
-        max_tokens = [self.check_prompt(p, request.max_tokens) for p in prompts]
+        # echo_only computes one token, which the answer leaves out.
+        max_tokens = [self.check_prompt(p, 1 if request.echo_only else request.max_tokens)
+                      for p in prompts]
         params = [self.sampling_params(request, m, request.logprobs) for m in max_tokens]
         if request.echo and request.logprobs is not None:
             for p in params:
@@ -61,7 +66,7 @@ class ServingCompletion(ServingBase):
         for index in range(len(prompts)):
             output = finals[index]
             for completion in output.outputs:
-                completion_tokens += len(completion.token_ids)
+                completion_tokens += self._num_tokens(request, completion)
                 choices.append(self._choice(request, index * request.n + completion.index,
                                             output, completion, echo=request.echo))
         choices.sort(key=lambda c: c["index"])
@@ -73,42 +78,55 @@ class ServingCompletion(ServingBase):
                       prompts: list[list[int]], streams: list[AsyncIterator[RequestOutput]]
                       ) -> AsyncIterator[str]:
         created = now()
+        num_prompt = sum(map(len, prompts))
         completion_tokens = 0
         echoed: set[int] = set()
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            return sse({"id": response_id, "object": "text_completion", "created": created,
+                        "model": self.served_model_name, "choices": choices, **extra})
+
         try:
             async for index, output in merge(streams):
                 for completion in output.outputs:
-                    completion_tokens += len(completion.token_ids)
+                    completion_tokens += self._num_tokens(request, completion)
                     choice_index = index * request.n + completion.index
                     echo = request.echo and choice_index not in echoed
                     echoed.add(choice_index)
-                    yield sse({"id": response_id, "object": "text_completion",
-                               "created": created, "model": self.served_model_name,
-                               "choices": [self._choice(request, choice_index, output,
-                                                        completion, echo)]})
-            if request.stream_options and request.stream_options.include_usage:
-                yield sse({"id": response_id, "object": "text_completion", "created": created,
-                           "model": self.served_model_name, "choices": [],
-                           "usage": usage(sum(map(len, prompts)), completion_tokens)})
+                    extra = ({"usage": usage(num_prompt, completion_tokens)}
+                             if request.usage_in_every_chunk else {})
+                    yield chunk([self._choice(request, choice_index, output, completion, echo)],
+                                **extra)
+            if request.usage_at_end:
+                yield chunk([], usage=usage(num_prompt, completion_tokens))
         except OpenAIError as e:
             yield sse(e.body())
         yield "data: [DONE]\n\n"
 
+    @staticmethod
+    def _num_tokens(request: CompletionRequest, completion: CompletionOutput) -> int:
+        return 0 if request.echo_only else len(completion.token_ids)
+
     def _choice(self, request: CompletionRequest, index: int, output: RequestOutput,
                 completion: CompletionOutput, echo: bool) -> dict[str, Any]:
-        text = completion.text
+        text = "" if request.echo_only else completion.text
         logprobs = None
         if request.logprobs is not None:
             entries: list[tuple[int, dict[int, Logprob] | None]] = []
             if echo and output.prompt_logprobs is not None:
                 entries.extend(zip(output.prompt_token_ids, output.prompt_logprobs, strict=True))
-            entries.extend(zip(completion.token_ids, completion.logprobs or [], strict=True))
+            if not request.echo_only:
+                entries.extend(zip(completion.token_ids, completion.logprobs or [], strict=True))
             logprobs = self._logprobs(entries, request.logprobs, len(output.prompt or "")
                                       if echo else 0)
         if echo:
             text = (output.prompt or self.engine.tokenizer.decode(output.prompt_token_ids)) + text
-        return {"index": index, "text": text, "logprobs": logprobs,
-                "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs,
+                  "finish_reason": completion.finish_reason,
+                  "stop_reason": completion.stop_reason}
+        if request.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+        return choice
 
     def _logprobs(self, entries: list[tuple[int, dict[int, Logprob] | None]], k: int,
                   offset: int) -> dict[str, Any]:

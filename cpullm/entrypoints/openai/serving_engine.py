@@ -10,8 +10,11 @@ from typing import Any
 from cpullm.engine.async_engine import AsyncEngine, EngineDeadError
 from cpullm.entrypoints.openai.metrics import ServerMetrics
 from cpullm.entrypoints.openai.protocol import Usage, _SamplingFields
-from cpullm.outputs import Logprob, RequestOutput
+from cpullm.logger import init_logger
+from cpullm.outputs import Logprob, PromptLogprobs, RequestOutput
 from cpullm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = init_logger(__name__)
 
 
 class OpenAIError(Exception):
@@ -43,12 +46,25 @@ def clamp_logprob(value: float) -> float:
     return max(value, -9999.0)
 
 
+def prompt_logprobs_json(entries: PromptLogprobs | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's ``prompt_logprobs`` field: per prompt position, None (the first) or token id ->
+    logprob, rank and text."""
+    if entries is None:
+        return None
+    return [None if entry is None else
+            {str(token): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank,
+                          "decoded_token": lp.decoded_token} for token, lp in entry.items()}
+            for entry in entries]
+
+
 def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     ranked = sorted(entry.items(), key=lambda item: item[1].rank or 0)
     return [(token, lp) for token, lp in ranked if lp.rank is not None and lp.rank <= k][:k]
 
 
 class ServingBase:
+    route = ""  # for log lines
+
     def __init__(self, engine: AsyncEngine, served_model_name: str, max_model_len: int,
                  metrics: ServerMetrics) -> None:
         self.engine = engine
@@ -56,6 +72,21 @@ class ServingBase:
         self.max_model_len = max_model_len
         self.metrics = metrics
         self.vocab_size = engine.engine.config.model.vocab_size
+        self._warned_fields: set[str] = set()
+
+    def check_request(self, request: _SamplingFields) -> None:
+        """Refuse a request for another model, any request once the engine is dead, and
+        fields not implemented yet; warn once about each field this server ignores."""
+        self.check_model(request.model)
+        refused = request.refused_field()
+        if refused is not None:
+            name, reason = refused
+            raise OpenAIError(f"{name} is not supported by this server: {reason}.", 400, name)
+        new = [name for name in request.ignored_fields() if name not in self._warned_fields]
+        if new:
+            self._warned_fields.update(new)
+            logger.warning("%s: these request fields are not known to this server and are "
+                           "ignored: %s (each is named once)", self.route, ", ".join(new))
 
     def check_model(self, model: str | None) -> None:
         """Refuse a request for another model, or any request once the engine is dead."""
@@ -96,6 +127,9 @@ class ServingBase:
 
     def sampling_params(self, request: _SamplingFields, max_tokens: int,
                         logprobs: int | None) -> SamplingParams:
+        if request.stream and request.prompt_logprobs is not None:
+            raise OpenAIError("prompt_logprobs are not available when stream is true.", 400,
+                              "prompt_logprobs")
         try:
             params = request.to_sampling_params(max_tokens, logprobs, request.stream)
         except ValueError as e:
@@ -129,7 +163,7 @@ class ServingBase:
                         output.metrics["first_token_time"] - output.metrics["arrival_time"])
                 num_tokens += new_tokens
                 if output.finished:
-                    self.metrics.record_finished(output, len(token_ids), num_tokens,
+                    self.metrics.record_finished(output, params, len(token_ids), num_tokens,
                                                  now - start)
                 yield output
         except ValueError as e:
