@@ -86,4 +86,5 @@ class RemoteServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._reader.join(5)  # the rest of the output, up to end of file
         return self.proc.returncode

@@ -72,6 +72,26 @@ def test_bench_serve(tiny_model, tmp_path):
             result = json.loads((tmp_path / f"{backend}.json").read_text())
             assert result["completed"] == 5 and result["failed"] == 0, backend
             assert result["total_output_tokens"] == 5 * 6
+            # the server's prompt counts: a chat prompt is the text plus the chat template
+            assert (result["total_input_tokens"] > 5 * 16 if backend == "openai-chat"
+                    else result["total_input_tokens"] == 5 * 16)
             assert result["mean_ttft_ms"] > 0 and result["p99_itl_ms"] > 0
     finally:
         server.stop()
+
+
+def test_random_prompts_have_the_asked_length_as_text(tokenizer_dir):
+    """The chat backend sends text: it must tokenize to the asked length, as the ids do."""
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    from cpullm.benchmarks.datasets import sample_requests
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    args = argparse.Namespace(num_prompts=20, seed=1, dataset_name="random", dataset_path=None,
+                              random_input_len=64, random_output_len=8, random_range_ratio=0.0)
+    requests = sample_requests(args, tokenizer)
+    assert [len(r.prompt_token_ids) for r in requests] == [64] * 20
+    assert [tokenizer.encode(r.prompt, add_special_tokens=False) for r in requests] == \
+        [r.prompt_token_ids for r in requests]

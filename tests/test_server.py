@@ -235,17 +235,22 @@ def test_tokenize_detokenize_version(server):
 
 
 def test_api_key_and_graceful_shutdown(model_dir):
-    srv = RemoteServer([model_dir, *SERVER_ARGS, "--api-key", "sekret"])
+    # vLLM's flags: several keys, and request logging switched on
+    srv = RemoteServer([model_dir, *SERVER_ARGS, "--enable-log-requests",
+                        "--api-key", "sekret", "other"])
     try:
         denied = httpx.get(f"{srv.url}/v1/models")
         assert denied.status_code == 401 and denied.json()["error"]["code"] == 401
         assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x"},
                           headers={"Authorization": "Bearer wrong"}).status_code == 401
-        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sekret", max_retries=0)
-        assert client.models.list().data[0].id == model_dir
+        for key in ("sekret", "other"):
+            client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=key, max_retries=0)
+            assert client.models.list().data[0].id == model_dir
+        assert client.completions.create(model=model_dir, prompt="x", max_tokens=1).choices
         assert httpx.get(f"{srv.url}/health").status_code == 200  # not under /v1
     finally:
         assert srv.stop() == 0
+    assert "completion request: n=1 max_tokens=1" in srv.log()
     with socket.socket() as s:  # no listener holds the port (as a new server would bind it)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", srv.port))

@@ -13,6 +13,7 @@ from typing import Any
 class BenchRequest:
     prompt_token_ids: list[int]
     output_len: int
+    prompt: str  # the same prompt as text, for the chat endpoint
 
 
 def add_dataset_args(parser: argparse.ArgumentParser, num_prompts: int = 1000,
@@ -44,10 +45,10 @@ def sample_requests(args: argparse.Namespace, tokenizer: Any, max_model_len: int
         if not args.dataset_path:
             raise ValueError("dataset_path: --dataset-name sharegpt needs --dataset-path")
         return _sharegpt(args, tokenizer, rng, max_model_len)
-    return _random(args, len(tokenizer), rng)
+    return _random(args, tokenizer, rng)
 
 
-def _random(args: argparse.Namespace, vocab_size: int, rng: random.Random) -> list[BenchRequest]:
+def _random(args: argparse.Namespace, tokenizer: Any, rng: random.Random) -> list[BenchRequest]:
     ratio = args.random_range_ratio
     if not 0.0 <= ratio < 1.0:
         raise ValueError(f"random_range_ratio must be in [0, 1), got {ratio}")
@@ -55,11 +56,28 @@ def _random(args: argparse.Namespace, vocab_size: int, rng: random.Random) -> li
     def length(n: int) -> int:
         return max(1, rng.randint(int(n * (1 - ratio)), int(n * (1 + ratio))))
 
+    vocab_size = len(tokenizer)
     # Ids well inside the vocabulary: the first hundred hold most special tokens.
     low = min(100, vocab_size - 1)
-    return [BenchRequest([rng.randrange(low, vocab_size) for _ in range(length(
-        args.random_input_len))], length(args.random_output_len))
-        for _ in range(args.num_prompts)]
+
+    def random_ids(n: int) -> list[int]:
+        return [rng.randrange(low, vocab_size) for _ in range(n)]
+
+    requests = []
+    for _ in range(args.num_prompts):
+        target = length(args.random_input_len)
+        ids = random_ids(target)
+        # Random ids decoded and encoded again come back as other, often more, tokens: adjust
+        # until the text is `target` tokens long (as vLLM's random prompts are), so the chat
+        # endpoint, which takes text, gets prompts of the asked length too.
+        for _ in range(10):
+            text = tokenizer.decode(ids)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if len(ids) == target:
+                break
+            ids = ids[:target] + random_ids(target - len(ids))
+        requests.append(BenchRequest(ids, length(args.random_output_len), text))
+    return requests
 
 
 def _sharegpt(args: argparse.Namespace, tokenizer: Any, rng: random.Random,
@@ -77,7 +95,7 @@ def _sharegpt(args: argparse.Namespace, tokenizer: Any, rng: random.Random,
             continue  # too short to say anything about throughput
         if max_model_len is not None and len(prompt) + output_len > max_model_len:
             continue
-        requests.append(BenchRequest(prompt, output_len))
+        requests.append(BenchRequest(prompt, output_len, conversation[0]["value"]))
         if len(requests) == args.num_prompts:
             break
     if not requests:

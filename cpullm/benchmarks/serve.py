@@ -30,11 +30,11 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="path of the API route (default: the backend's, "
                         "/v1/completions or /v1/chat/completions)")
     parser.add_argument("--model", default=None,
-                        help="model name sent to the server (default: its first model)")
+                        help="model name sent to the server; unset: its first model")
     parser.add_argument("--tokenizer", default=None,
-                        help="local tokenizer folder or GGUF file (default: the default model's)")
+                        help="local tokenizer folder or GGUF file; unset: the default model's")
     parser.add_argument("--max-concurrency", type=int, default=None,
-                        help="most requests in flight at once (default: all of them)")
+                        help="most requests in flight at once; unset: all of them")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="requests per second (Poisson arrivals); inf sends all at once")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
@@ -62,19 +62,18 @@ class RequestResult:
     error: str = ""
 
 
-def _completion_body(model: str, request: BenchRequest, tokenizer: Any) -> dict[str, Any]:
+def _completion_body(model: str, request: BenchRequest) -> dict[str, Any]:
     return {"model": model, "prompt": request.prompt_token_ids,
             "max_tokens": request.output_len}
 
 
-def _chat_body(model: str, request: BenchRequest, tokenizer: Any) -> dict[str, Any]:
-    # Chat takes text: the prompt's tokens decoded, as vLLM's client sends its random prompts.
+def _chat_body(model: str, request: BenchRequest) -> dict[str, Any]:
     return {"model": model, "max_completion_tokens": request.output_len,
-            "messages": [{"role": "user", "content": tokenizer.decode(request.prompt_token_ids)}]}
+            "messages": [{"role": "user", "content": request.prompt}]}
 
 
 # backend -> (default endpoint, request body)
-_BACKENDS: dict[str, tuple[str, Callable[[str, BenchRequest, Any], dict[str, Any]]]] = {
+_BACKENDS: dict[str, tuple[str, Callable[[str, BenchRequest], dict[str, Any]]]] = {
     "openai": ("/v1/completions", _completion_body),
     "openai-chat": ("/v1/chat/completions", _chat_body),
 }
@@ -98,7 +97,8 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], prompt
                     continue
                 chunk = json.loads(line[6:])
                 now = time.perf_counter()
-                if chunk.get("usage"):
+                if chunk.get("usage"):  # the server's count: chat prompts include the template
+                    result.prompt_len = chunk["usage"]["prompt_tokens"]
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                 if chunk.get("choices"):
                     if result.ttft == 0.0:
@@ -113,8 +113,8 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], prompt
     return result
 
 
-async def _run(args: argparse.Namespace, requests: list[BenchRequest], model: str,
-               tokenizer: Any) -> tuple[list[RequestResult], float]:
+async def _run(args: argparse.Namespace, requests: list[BenchRequest], model: str
+               ) -> tuple[list[RequestResult], float]:
     default_endpoint, make_body = _BACKENDS[args.backend]
     url = args.base_url.rstrip("/") + (args.endpoint or default_endpoint)
     headers = _headers(args)
@@ -125,7 +125,7 @@ async def _run(args: argparse.Namespace, requests: list[BenchRequest], model: st
     async with httpx.AsyncClient(timeout=httpx.Timeout(None)) as client:
         async def limited(request: BenchRequest) -> RequestResult:
             async with limit:
-                result = await _one(client, url, make_body(model, request, tokenizer),
+                result = await _one(client, url, make_body(model, request),
                                     len(request.prompt_token_ids), headers)
             bar.update(1)
             return result
@@ -155,7 +155,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
                                     headers=_headers(args)).json()["data"][0]["id"]
     tokenizer = load_tokenizer(resolve_model(args.tokenizer))
     requests = sample_requests(args, tokenizer)
-    results, duration = asyncio.run(_run(args, requests, model, tokenizer))
+    results, duration = asyncio.run(_run(args, requests, model))
     ok = [r for r in results if r.success]
     if not ok:
         raise RuntimeError(f"every request failed; first error: {results[0].error}")

@@ -45,19 +45,20 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
 
 
 class _ApiKeyCheck:
-    """Requires ``Authorization: Bearer <key>`` on /v1 routes. A plain ASGI middleware:
-    streamed responses pass through untouched (a decorator middleware would copy every
-    server-sent event through an extra task and stream)."""
+    """Requires ``Authorization: Bearer <key>``, one of the keys, on /v1 routes. A plain
+    ASGI middleware: streamed responses pass through untouched (a decorator middleware
+    would copy every server-sent event through an extra task and stream)."""
 
-    def __init__(self, app: Callable[..., Awaitable[None]], api_key: str) -> None:
+    def __init__(self, app: Callable[..., Awaitable[None]], api_keys: list[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = [f"Bearer {key}".encode() for key in api_keys]
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Awaitable[Any]],
                        send: Callable[..., Awaitable[None]]) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            # every key compared, so the time taken does not tell which one was close
+            if sum(hmac.compare_digest(given, key) for key in self.expected) == 0:
                 await _error(401, "Invalid or missing API key.")(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -95,8 +96,8 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     return Response(status_code=499)
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              log_requests: bool = True) -> FastAPI:
+def build_app(engine: AsyncEngine, served_model_name: str, api_keys: list[str] | None = None,
+              log_requests: bool = False) -> FastAPI:
     """The FastAPI app; the caller starts and stops the engine (see ``lifespan``)."""
     model_config = engine.engine.config.model
     max_model_len = model_config.max_model_len
@@ -133,8 +134,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return _error(500, str(exc))
 
-    if api_key:
-        app.add_middleware(_ApiKeyCheck, api_key=api_key)
+    if api_keys:
+        app.add_middleware(_ApiKeyCheck, api_keys=api_keys)
 
     @app.get("/")
     async def root() -> dict[str, Any]:
@@ -227,8 +228,9 @@ def run_server(args: argparse.Namespace) -> int:
     llm_engine = LLMEngine.from_engine_args(engine_args)
     served_name = llm_engine.config.model.served_model_name
     bind_frontend_thread(list(llm_engine.config.parallel.binding.reserved_cpus))
-    app = build_app(AsyncEngine(llm_engine), served_name, args.api_key or envs.VLLM_API_KEY,
-                    log_requests=not args.disable_log_requests)
+    api_keys = args.api_key or ([envs.VLLM_API_KEY] if envs.VLLM_API_KEY else None)
+    app = build_app(AsyncEngine(llm_engine), served_name, api_keys,
+                    log_requests=args.enable_log_requests and not args.disable_log_requests)
     logger.info("Engine ready in %.1f s; serving %s on http://%s:%d", time.perf_counter() - start,
                 served_name, args.host, args.port)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal to the handler

@@ -23,13 +23,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="model folder or GGUF file, the same as --model")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument("--api-key", default=None,
-                        help="require this bearer key on /v1 routes; unset: VLLM_API_KEY, "
-                        "or no key")
+    parser.add_argument("--api-key", nargs="+", default=None,
+                        help="require one of these bearer keys on /v1 routes; unset: "
+                        "VLLM_API_KEY, or no key")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="log level of the HTTP server")
+    parser.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction,
+                        default=False, help="log each request's parameters")
     parser.add_argument("--disable-log-requests", action="store_true",
-                        help="do not log each request's parameters")
+                        help="do not log requests (older vLLM's flag; not logging is the default)")
     EngineArgs.add_cli_args(parser, **SERVE_DEFAULTS)
     return parser

@@ -52,10 +52,12 @@ class _Refusing(OpenAIModel):
 
 
 _STRUCTURED = "structured outputs are not implemented yet"
-# vLLM's own structured-output fields, on both endpoints.
-_GUIDED = {name: (_absent, _STRUCTURED) for name in (
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-    "guided_whitespace_pattern", "structured_outputs")}
+# OpenAI's JSON mode and vLLM's own structured-output fields, on both endpoints.
+_STRUCTURED_OUTPUTS = {
+    "response_format": (lambda v: v is None or v == {"type": "text"}, _STRUCTURED),
+    **{name: (_absent, _STRUCTURED) for name in (
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")}}
 
 
 class ErrorInfo(BaseModel):
@@ -141,8 +143,7 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
-    REFUSED = {"response_format": (lambda v: v is None or v == {"type": "text"}, _STRUCTURED),
-               **_GUIDED}
+    REFUSED = _STRUCTURED_OUTPUTS
 
     @property
     def echo_only(self) -> bool:
@@ -195,15 +196,14 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    REFUSED = {"response_format": (lambda v: v is None or v == {"type": "text"}, _STRUCTURED),
+    REFUSED = {**_STRUCTURED_OUTPUTS,
                "tools": (_empty, _TOOLS),
                "tool_choice": (lambda v: v is None or v == "none", _TOOLS),
                "functions": (_empty, _TOOLS),
                "function_call": (lambda v: v is None or v == "none", _TOOLS),
                "audio": (_absent, "audio output is not supported"),
                "modalities": (lambda v: v is None or v == ["text"],
-                              "only the text modality is supported"),
-               **_GUIDED}
+                              "only the text modality is supported")}
 
 
 class TokenizeRequest(OpenAIModel):
