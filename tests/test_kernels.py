@@ -116,10 +116,10 @@ def test_packed_linear_matches_float32(rows, output_size, amx, monkeypatch):
     """cpullm's bf16 GEMM (output sizes a multiple of 32; row tiles of 12, blocks of 264;
     with AMX only up to 8 rows) and oneDNN's on a prepacked weight (the rest), from rows of
     a wider tensor too."""
-    from cpullm.model_executor.layers import linear
     from cpullm.model_executor.layers.linear import ReplicatedLinear
+    from cpullm.model_executor.layers.quantization import dense
 
-    monkeypatch.setattr(linear, "_has_amx", lambda: amx)
+    monkeypatch.setattr(dense, "_has_amx", lambda: amx)
     torch.manual_seed(rows)
     layer = ReplicatedLinear(576, output_size, bias=True, dtype=torch.bfloat16)
     weight = torch.randn(output_size, 576, dtype=torch.bfloat16) / 24
@@ -145,11 +145,11 @@ def test_gate_up_silu_fused_matches_unfused(rows, intermediate, amx, monkeypatch
     """silu(gate) * up in the GEMM's store (1536: interleaved panels) equals the merged GEMM
     followed by the SiLU-mul kernel bit for bit; 1544 (not a multiple of 16), and more than
     8 rows with AMX, run oneDNN's GEMM, then the kernel."""
-    from cpullm.model_executor.layers import linear
     from cpullm.model_executor.layers.activation import SiluAndMul
     from cpullm.model_executor.layers.linear import GateUpSiluLinear, MergedColumnLinear
+    from cpullm.model_executor.layers.quantization import dense
 
-    monkeypatch.setattr(linear, "_has_amx", lambda: amx)
+    monkeypatch.setattr(dense, "_has_amx", lambda: amx)
     torch.manual_seed(rows)
     weight = torch.randn(2 * intermediate, 576, dtype=torch.bfloat16) / 24
     bias = torch.randn(2 * intermediate, dtype=torch.bfloat16)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpullm.model_executor.layers.linear import PackedGemm
+from cpullm.model_executor.layers.quantization.dense import PackedGemm
 
 
 class VocabEmbedding(nn.Module):

@@ -47,17 +47,11 @@ def get_model(config: ModelConfig, ops: ModuleType | None) -> nn.Module:
 
 
 def _log_gemm_paths(model: nn.Module, dtype: torch.dtype) -> None:
-    """With VLLM_LOGGING_LEVEL=DEBUG: the GEMM backend behind every linear layer."""
+    """With VLLM_LOGGING_LEVEL=DEBUG: the kernel behind every linear layer."""
     if not logger.isEnabledFor(logging.DEBUG):
         return
     for name, module in model.named_modules():
         if isinstance(module, LinearBase):
-            if module.gemm is not None:
-                path = module.gemm.describe()
-            elif dtype == torch.float32 and torch.backends.mkl.is_available():
-                path = "MKL sgemm"
-            else:
-                path = "ATen linear"
             logger.debug("%s: %s [%d -> %d] %s via %s", name, type(module).__name__,
                          module.input_size, module.output_size,
-                         str(dtype).removeprefix("torch."), path)
+                         str(dtype).removeprefix("torch."), module.method.describe(module))

@@ -18,13 +18,15 @@ from cpullm.model_executor.layers.attention import AttentionMetadata, PagedAtten
 from cpullm.model_executor.layers.embedding import LMHead, VocabEmbedding
 from cpullm.model_executor.layers.linear import GateUpSiluLinear, QKVLinear, ReplicatedLinear
 from cpullm.model_executor.layers.norm import RMSNorm
+from cpullm.model_executor.layers.quantization import QuantizationConfig
 from cpullm.model_executor.layers.rotary import RotaryEmbedding
 from cpullm.model_executor.loader.weights import load_named_weights
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool, dtype: torch.dtype, ops: ModuleType | None) -> None:
+                 qk_norm: bool, dtype: torch.dtype, ops: ModuleType | None,
+                 quant_config: QuantizationConfig | None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -33,8 +35,10 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads,
-                                  self.num_kv_heads, bias=qkv_bias, dtype=dtype)
-        self.o_proj = ReplicatedLinear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
+                                  self.num_kv_heads, bias=qkv_bias, dtype=dtype,
+                                  quant_config=quant_config)
+        self.o_proj = ReplicatedLinear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype,
+                                       quant_config=quant_config)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, ops)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, ops)
@@ -58,10 +62,13 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
-                 dtype: torch.dtype, ops: ModuleType | None) -> None:
+                 dtype: torch.dtype, ops: ModuleType | None,
+                 quant_config: QuantizationConfig | None) -> None:
         super().__init__()
-        self.gate_up_proj = GateUpSiluLinear(hidden_size, intermediate_size, bias, dtype, ops)
-        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        self.gate_up_proj = GateUpSiluLinear(hidden_size, intermediate_size, bias, dtype, ops,
+                                             quant_config)
+        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias=bias, dtype=dtype,
+                                          quant_config=quant_config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))
@@ -69,11 +76,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, rotary: RotaryEmbedding, flags: dict[str, bool],
-                 dtype: torch.dtype, ops: ModuleType | None) -> None:
+                 dtype: torch.dtype, ops: ModuleType | None,
+                 quant_config: QuantizationConfig | None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, dtype=dtype, ops=ops, **flags)
+        self.self_attn = LlamaAttention(config, rotary, dtype=dtype, ops=ops,
+                                        quant_config=quant_config, **flags)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size,
-                            getattr(config, "mlp_bias", False), dtype, ops)
+                            getattr(config, "mlp_bias", False), dtype, ops, quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
                                                 ops)
@@ -92,13 +101,15 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, max_position: int, flags: dict[str, bool],
-                 dtype: torch.dtype, ops: ModuleType | None) -> None:
+                 dtype: torch.dtype, ops: ModuleType | None,
+                 quant_config: QuantizationConfig | None) -> None:
         super().__init__()
         head_dim = (getattr(config, "head_dim", None)
                     or config.hidden_size // config.num_attention_heads)
         rotary = RotaryEmbedding(config, head_dim, max_position, ops)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, flags, dtype, ops)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, flags, dtype, ops,
+                                                      quant_config)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
 
@@ -125,11 +136,14 @@ class LlamaForCausalLM(nn.Module):
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
 
     def __init__(self, config: Any, max_position: int, dtype: torch.dtype,
-                 ops: ModuleType | None = None) -> None:
-        """``ops``: the compiled CPU kernels, or None for plain torch ops (enforce_eager)."""
+                 ops: ModuleType | None = None,
+                 quant_config: QuantizationConfig | None = None) -> None:
+        """``ops``: the compiled CPU kernels, or None for plain torch ops (enforce_eager);
+        ``quant_config``: the checkpoint's quantization format, or None for dense weights."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, max_position, self.layer_flags(config), dtype, ops)
+        self.model = LlamaModel(config, max_position, self.layer_flags(config), dtype, ops,
+                                quant_config)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
