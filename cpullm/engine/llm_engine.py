@@ -68,7 +68,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         model_config = config.model
-        self.tokenizer = load_tokenizer(model_config.source, model_config.tokenizer)
+        self.tokenizer = load_tokenizer(model_config.source, model_config.tokenizer,
+                                        model_config.hf_config)
         if model_config.chat_template:
             self.tokenizer.chat_template = model_config.chat_template
         self.eos_token_ids = self._eos_token_ids()

@@ -1,0 +1,79 @@
+"""cpullm's fast reading of a GGUF file's config and tokenizer gives what transformers' own
+GGUF loader gives, for every architecture cpullm reads that way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+from cpullm.transformers_utils import (
+    gguf_config,
+    load_hf_config,
+    load_tokenizer,
+    resolve_model,
+)
+
+
+@pytest.fixture(scope="module")
+def default_fields():
+    """The metadata of the default model's GGUF file (its tokenizer included)."""
+    reader = GGUFReader(resolve_model(None).gguf_path)
+    return [(f.name, f.types, f.contents()) for f in reader.fields.values()
+            if not f.name.startswith("GGUF.") and f.name != "general.architecture"]
+
+
+def write_gguf(path: Path, fields, architecture: str, name: str | None = None,
+               untied: bool = False) -> Path:
+    """The default model's metadata under another architecture, with two tiny tensors."""
+    writer = GGUFWriter(str(path), architecture)
+    for key, types, value in fields:
+        if key.startswith("llama."):
+            key = architecture + key[len("llama"):]
+        if key == "general.name" and name is not None:
+            value = name
+        writer.add_key_value(key, value, types[0],
+                             sub_type=types[1] if types[0] == GGUFValueType.ARRAY else None)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    if untied:
+        writer.add_tensor("output.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+CASES = {
+    "llama-untied": dict(architecture="llama", untied=True),
+    "mistral": dict(architecture="llama", name="mistral"),
+    "qwen2": dict(architecture="qwen2"),
+    "qwen3": dict(architecture="qwen3"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_config_and_tokenizer_equal_transformers(case, default_fields, tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = write_gguf(tmp_path / f"{case}.gguf", default_fields, **CASES[case])
+    reference = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    config = gguf_config(str(path))
+    assert type(config) is type(reference)
+    assert config.to_dict() == reference.to_dict()
+    assert config.tie_word_embeddings == (case != "llama-untied")
+    assert config.model_type == {"mistral": "mistral", "qwen2": "qwen2",
+                                 "qwen3": "qwen3"}.get(case, "llama")
+
+    source = resolve_model(str(path))
+    tokenizer = load_tokenizer(source, hf_config=load_hf_config(source))
+    expected = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name,
+                                             local_files_only=True)
+    assert type(tokenizer) is type(expected)
+    assert tokenizer.backend_tokenizer.to_str() == expected.backend_tokenizer.to_str()
+    assert tokenizer.init_kwargs == expected.init_kwargs
+    assert tokenizer.chat_template == expected.chat_template
+    text = "Hello, world! <|im_start|>user\n  élan 1234 "
+    assert tokenizer(text).input_ids == expected(text).input_ids
