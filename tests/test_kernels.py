@@ -207,3 +207,30 @@ def test_bf16_prompt_attention_matches_sdpa(window, shapes):
     expected = PagedAttention(heads, dim, kv_heads, dim ** -0.5)(q, k, v, kv_cache.clone(), meta)
     got = PagedAttention(heads, dim, kv_heads, dim ** -0.5, ops)(q, k, v, kv_cache.clone(), meta)
     assert torch.allclose(got.float(), expected.float(), atol=3e-2)
+
+
+def test_kernel_table_lists_the_build():
+    """Every kernel the module binds is a field of the table, and this CPU's build has all
+    of those its instruction sets allow."""
+    import dataclasses
+
+    from cpullm.model_executor.layers.ops import KernelTable
+
+    assert ops is not None
+    bound = {name for name in dir(ops.module) if not name.startswith("_")}
+    assert bound == set(ops.available) <= {f.name for f in dataclasses.fields(KernelTable)}
+    if "avx512_bf16" in cpu_info().flags:
+        assert ops.gemm_bf16 is not None and ops.rms_norm_bf16 is not None
+
+
+def test_build_is_keyed_on_the_cpu(monkeypatch):
+    """Another CPU (other instruction sets) gets another build, not this one's."""
+    from cpullm.model_executor.layers import ops as ops_py
+    from cpullm.platform.cpu import CpuInfo
+
+    mine = ops_py.build_name()
+    info = cpu_info()
+    other = CpuInfo(info.vendor, info.model_name, info.flags - {"avx512_bf16", "amx_bf16"}
+                    | {"avx2"})
+    monkeypatch.setattr(ops_py, "cpu_info", lambda: other)
+    assert ops_py.build_name() != mine and ops_py.build_name().startswith("cpullm_ops_")

@@ -7,12 +7,15 @@ import errno
 import os
 import platform
 import threading
-from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from cpullm.logger import init_logger
 from cpullm.platform.topology import CpuTopology, format_cpu_list
+
+if TYPE_CHECKING:
+    from cpullm.model_executor.layers.ops import KernelTable
 
 logger = init_logger(__name__)
 
@@ -21,7 +24,7 @@ _MPOL_PREFERRED = 1
 _warned_mempolicy = False
 
 
-def bind_compute_threads(cpus: list[int], ops: ModuleType | None) -> list[int]:
+def bind_compute_threads(cpus: list[int], ops: KernelTable | None) -> list[int]:
     """Pin torch's intra-op threads of the calling thread, one per CPU in ``cpus``.
 
     Must run on the thread that executes the model: OpenMP keeps a thread pool per calling

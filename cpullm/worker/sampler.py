@@ -10,10 +10,10 @@ Logprobs are of the model's raw distribution, before any of the above.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
+from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.sampling_params import SamplingParams
 
 
@@ -49,12 +49,12 @@ class SamplingBatch:
 
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: set[int],
-                 ops: ModuleType | None = None) -> None:
+                 ops: KernelTable | None = None) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         # With the compiled kernels, rows without top-k/top-p/min-p are drawn in one pass
         # over their logits; which path a row takes depends only on its own parameters.
-        self.fused_draw = getattr(ops, "sample_from_logits", None)
+        self.fused_draw = ops.sample_from_logits if ops is not None else None
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch
                  ) -> tuple[list[int], LogprobsLists | None]:

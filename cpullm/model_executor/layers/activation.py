@@ -1,18 +1,19 @@
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from cpullm.model_executor.layers.ops import KernelTable
 
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up, on the merged gate-up output [..., 2 * d] -> [..., d]."""
 
-    def __init__(self, ops: ModuleType | None = None) -> None:
+    def __init__(self, ops: KernelTable | None = None) -> None:
         super().__init__()
-        self.kernel = getattr(ops, "silu_and_mul_bf16", None)  # bit-identical to the ops below
+        # bit-identical to the ops below
+        self.kernel = ops.silu_and_mul_bf16 if ops is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2

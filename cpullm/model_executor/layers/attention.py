@@ -21,11 +21,12 @@ requests.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from cpullm.model_executor.layers.ops import KernelTable
 
 # Largest score matrix (elements) the bfloat16 prompt path builds at once; larger chunks
 # take SDPA, which tiles.
@@ -80,10 +81,10 @@ class AttentionMetadata:
 
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 ops: ModuleType | None = None) -> None:
+                 ops: KernelTable | None = None) -> None:
         super().__init__()
         self.ops = ops  # compiled kernels, or None for plain torch ops
-        self.prefill_softmax = getattr(ops, "prefill_softmax_bf16", None)
+        self.prefill_softmax = ops.prefill_softmax_bf16 if ops is not None else None
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads

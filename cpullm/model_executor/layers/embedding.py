@@ -1,11 +1,10 @@
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization.dense import PackedGemm
 
 
@@ -26,7 +25,7 @@ class LMHead(VocabEmbedding):
 
     gemm: PackedGemm | None = None
 
-    def process_weights_after_loading(self, ops: ModuleType | None) -> None:
+    def process_weights_after_loading(self, ops: KernelTable | None) -> None:
         """A packed copy for the bfloat16/float16 GEMMs (the weight itself may be shared
         with the embedding table, which needs the plain layout)."""
         self.gemm = PackedGemm.create(self.weight.data, None, ops)

@@ -10,12 +10,11 @@ otherwise. Tensor-parallel variants will implement the same interface.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 from torch import nn
 
 from cpullm.model_executor.layers.activation import SiluAndMul
+from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import QuantizationConfig
 from cpullm.model_executor.layers.quantization.dense import DenseLinearMethod, PackedGemm
 
@@ -53,7 +52,7 @@ class LinearBase(nn.Module):
                              f"{tuple(loaded.shape)}, model {tuple(target.shape)}")
         target.copy_(loaded)
 
-    def process_weights_after_loading(self, ops: ModuleType | None) -> None:
+    def process_weights_after_loading(self, ops: KernelTable | None) -> None:
         self.method.process_weights_after_loading(self, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +86,7 @@ class GateUpSiluLinear(MergedColumnLinear):
     (SiLU-mul alone had taken 40 ms of a 4096-token step of a 135M model)."""
 
     def __init__(self, input_size: int, intermediate_size: int, bias: bool = False,
-                 dtype: torch.dtype | None = None, ops: ModuleType | None = None,
+                 dtype: torch.dtype | None = None, ops: KernelTable | None = None,
                  quant_config: QuantizationConfig | None = None) -> None:
         super().__init__(input_size, [intermediate_size] * 2, bias, dtype, quant_config)
         self.act = SiluAndMul(ops)

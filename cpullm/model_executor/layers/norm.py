@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 from torch import nn
+
+from cpullm.model_executor.layers.ops import KernelTable
 
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None,
-                 ops: ModuleType | None = None) -> None:
+                 ops: KernelTable | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         # The fused bfloat16 kernel (bit-identical to the ops below), where it was built.
-        self.kernel = getattr(ops, "rms_norm_bf16", None) if hidden_size % 16 == 0 else None
+        self.kernel = ops.rms_norm_bf16 if ops is not None and hidden_size % 16 == 0 else None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in float32 whatever the compute dtype, as the reference does.

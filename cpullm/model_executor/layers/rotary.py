@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
+
+from cpullm.model_executor.layers.ops import KernelTable
 
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -25,7 +26,7 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to max_position, computed once."""
 
     def __init__(self, hf_config: Any, head_dim: int, max_position: int,
-                 ops: ModuleType | None = None) -> None:
+                 ops: KernelTable | None = None) -> None:
         super().__init__()
         self.ops = ops
         params = _rope_parameters(hf_config)

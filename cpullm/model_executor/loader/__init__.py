@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from types import ModuleType
 
 import torch
 from torch import nn
@@ -12,6 +11,7 @@ from torch import nn
 from cpullm.config import ModelConfig
 from cpullm.logger import init_logger
 from cpullm.model_executor.layers.linear import LinearBase
+from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.loader.gguf_loader import iterate_gguf
 from cpullm.model_executor.loader.safetensors_loader import iterate_safetensors
 from cpullm.model_executor.models import get_model_class
@@ -19,7 +19,7 @@ from cpullm.model_executor.models import get_model_class
 logger = init_logger(__name__)
 
 
-def get_model(config: ModelConfig, ops: ModuleType | None) -> nn.Module:
+def get_model(config: ModelConfig, ops: KernelTable | None) -> nn.Module:
     """The model with its weights loaded; ``ops``: the compiled kernels it may use, or None
     for plain torch ops."""
     start = time.perf_counter()

@@ -8,7 +8,6 @@ Hugging Face's, except that q/k/v and gate/up are merged (see ``stacked_params``
 from __future__ import annotations
 
 from collections.abc import Iterable
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -18,6 +17,7 @@ from cpullm.model_executor.layers.attention import AttentionMetadata, PagedAtten
 from cpullm.model_executor.layers.embedding import LMHead, VocabEmbedding
 from cpullm.model_executor.layers.linear import GateUpSiluLinear, QKVLinear, ReplicatedLinear
 from cpullm.model_executor.layers.norm import RMSNorm
+from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import QuantizationConfig
 from cpullm.model_executor.layers.rotary import RotaryEmbedding
 from cpullm.model_executor.loader.weights import load_named_weights
@@ -25,7 +25,7 @@ from cpullm.model_executor.loader.weights import load_named_weights
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool, dtype: torch.dtype, ops: ModuleType | None,
+                 qk_norm: bool, dtype: torch.dtype, ops: KernelTable | None,
                  quant_config: QuantizationConfig | None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -62,7 +62,7 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
-                 dtype: torch.dtype, ops: ModuleType | None,
+                 dtype: torch.dtype, ops: KernelTable | None,
                  quant_config: QuantizationConfig | None) -> None:
         super().__init__()
         self.gate_up_proj = GateUpSiluLinear(hidden_size, intermediate_size, bias, dtype, ops,
@@ -76,7 +76,7 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, rotary: RotaryEmbedding, flags: dict[str, bool],
-                 dtype: torch.dtype, ops: ModuleType | None,
+                 dtype: torch.dtype, ops: KernelTable | None,
                  quant_config: QuantizationConfig | None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary, dtype=dtype, ops=ops,
@@ -101,7 +101,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, max_position: int, flags: dict[str, bool],
-                 dtype: torch.dtype, ops: ModuleType | None,
+                 dtype: torch.dtype, ops: KernelTable | None,
                  quant_config: QuantizationConfig | None) -> None:
         super().__init__()
         head_dim = (getattr(config, "head_dim", None)
@@ -136,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
 
     def __init__(self, config: Any, max_position: int, dtype: torch.dtype,
-                 ops: ModuleType | None = None,
+                 ops: KernelTable | None = None,
                  quant_config: QuantizationConfig | None = None) -> None:
         """``ops``: the compiled CPU kernels, or None for plain torch ops (enforce_eager);
         ``quant_config``: the checkpoint's quantization format, or None for dense weights."""

@@ -12,10 +12,11 @@ tensor-parallel linears plug in here, without touching the model files.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
+
+from cpullm.model_executor.layers.ops import KernelTable
 
 if TYPE_CHECKING:
     from cpullm.model_executor.layers.linear import LinearBase
@@ -29,7 +30,7 @@ class LinearMethod(ABC):
         """Register the layer's parameters, each with a ``weight_loader``."""
 
     @abstractmethod
-    def process_weights_after_loading(self, layer: LinearBase, ops: ModuleType | None) -> None:
+    def process_weights_after_loading(self, layer: LinearBase, ops: KernelTable | None) -> None:
         """Repack the loaded parameters into the layout of the kernel that runs them."""
 
     @abstractmethod

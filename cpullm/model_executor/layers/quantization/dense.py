@@ -4,7 +4,6 @@ quantization format gives it another, and the packed GEMMs behind it."""
 from __future__ import annotations
 
 import sys
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpullm.model_executor.layers.activation import SiluAndMul
+from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import LinearMethod
 from cpullm.platform.cpu import cpu_info
 
@@ -36,7 +36,7 @@ class DenseLinearMethod(LinearMethod):
             layer.register_parameter("bias", None)
         layer.gemm = None
 
-    def process_weights_after_loading(self, layer: LinearBase, ops: ModuleType | None) -> None:
+    def process_weights_after_loading(self, layer: LinearBase, ops: KernelTable | None) -> None:
         bias = None if layer.bias is None else layer.bias.data
         layer.gemm = PackedGemm.create(layer.weight.data, bias, ops, layer.act)
         if layer.gemm is not None:
@@ -89,10 +89,10 @@ class PackedGemm:
     matching gate and up columns, and the activation is applied as the product is stored;
     after oneDNN's matmul ``silu_mul`` runs on the product."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: ModuleType,
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: KernelTable,
                  silu_mul: SiluAndMul | None) -> None:
         n, k = weight.shape
-        kernel = getattr(ops, "gemm_bf16", None)
+        kernel = ops.gemm_bf16
         own = weight.dtype == torch.bfloat16 and kernel is not None and n % 32 == 0 \
             and k % 2 == 0
         self.kernel = kernel if own else None
@@ -116,7 +116,7 @@ class PackedGemm:
             self.panel_bias = None if bias is None else bias.contiguous()
 
     @classmethod
-    def create(cls, weight: torch.Tensor, bias: torch.Tensor | None, ops: ModuleType | None,
+    def create(cls, weight: torch.Tensor, bias: torch.Tensor | None, ops: KernelTable | None,
                silu_mul: SiluAndMul | None = None) -> PackedGemm | None:
         """The packed weight, or None where neither GEMM applies (float32, no kernels, no
         oneDNN): the plain ATen GEMM then runs it."""

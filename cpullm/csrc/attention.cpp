@@ -1,0 +1,394 @@
+// Paged decode attention (one query per sequence, keys and values read in place from the
+// KV cache blocks) and the causal softmax of prompt-chunk attention.
+#include "ops.h"
+#include "vec.h"
+
+#include <vector>
+
+namespace cpullm {
+
+namespace {
+
+// Scores of one query group against every key of one KV head of one sequence:
+// scores[g * n + (t - first)] = q_g . k_t * scale.
+template <typename T>
+inline void group_scores(float* scores, const float* query, float scale, const T* kp,
+                         const int64_t* bt,
+                         int64_t first, int64_t len, int64_t group, int64_t head_dim,
+                         int64_t block_size, int64_t block_stride, int64_t token_stride,
+                         float* key) {
+  const int64_t n = len - first;
+  for (int64_t t = first; t < len; ++t) {
+    const T* k = kp + bt[t / block_size] * block_stride + (t % block_size) * token_stride;
+    load_row(key, k, head_dim);
+    for (int64_t g = 0; g < group; ++g)
+      scores[g * n + (t - first)] = dot(query + g * head_dim, key, head_dim) * scale;
+  }
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 keys: dot products straight from the cache with the BF16 dot-product instruction
+// (pairs of bfloat16 products summed into float32), no conversion of the keys.
+template <>
+inline void group_scores<c10::BFloat16>(float* scores, const float* query, float scale,
+                                        const c10::BFloat16* kp, const int64_t* bt,
+                                        int64_t first, int64_t len, int64_t group,
+                                        int64_t head_dim, int64_t block_size,
+                                        int64_t block_stride, int64_t token_stride, float* key) {
+  if (head_dim % 32 != 0 || head_dim > 256) {
+    const int64_t n = len - first;
+    for (int64_t t = first; t < len; ++t) {
+      const c10::BFloat16* k = kp + bt[t / block_size] * block_stride +
+                               (t % block_size) * token_stride;
+      load_row(key, k, head_dim);
+      for (int64_t g = 0; g < group; ++g)
+        scores[g * n + (t - first)] = dot(query + g * head_dim, key, head_dim) * scale;
+    }
+    return;
+  }
+  const int64_t n = len - first, chunks = head_dim / 32;
+  // The query holds bfloat16 values widened to float: narrowing them back is exact.
+  std::vector<__m512bh> q(group * chunks);
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* src = query + g * head_dim + c * 32;
+      q[g * chunks + c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+    }
+  for (int64_t t = first; t < len; ++t) {
+    const c10::BFloat16* k = kp + bt[t / block_size] * block_stride +
+                             (t % block_size) * token_stride;
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c)
+        acc = _mm512_dpbf16_ps(acc, q[g * chunks + c], (__m512bh)_mm512_loadu_si512(k + c * 32));
+      scores[g * n + (t - first)] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+}
+#endif
+
+// acc[g, :] = sum over t of probs[g * n + (t - first)] * v_t, for one KV head of a sequence.
+// (bfloat16 caches take decode_attention_bf16 below for every shape it covers.)
+template <typename T>
+inline void weighted_values(float* acc, const float* probs, const T* vp, const int64_t* bt,
+                            int64_t first, int64_t len, int64_t group, int64_t head_dim,
+                            int64_t block_size, int64_t block_stride, int64_t token_stride,
+                            float* value) {
+  const int64_t n = len - first;
+  std::fill(acc, acc + group * head_dim, 0.f);
+  for (int64_t t = first; t < len; ++t) {
+    const T* v = vp + bt[t / block_size] * block_stride + (t % block_size) * token_stride;
+    load_row(value, v, head_dim);
+    for (int64_t g = 0; g < group; ++g)
+      axpy(acc + g * head_dim, probs[g * n + (t - first)], value, head_dim);
+  }
+}
+
+// out[s, h, :] = softmax(q[s, h, :] . K[s, :, kvh, :]^T * scale) @ V[s, :, kvh, :]
+// where K/V of sequence s are read in place from its blocks:
+//   token t lives at key_cache[block_tables[s, t / block_size], t % block_size, kvh, :]
+template <typename T>
+void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, double scale, int64_t window) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const int64_t q_stride = q.stride(0);  // q may be a view into the fused QKV output
+  const T* kp = key_cache.data_ptr<T>();
+  const T* vp = value_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t token_stride = num_kv_heads * head_dim;   // between slots of a block
+  const int64_t block_stride = block_size * token_stride;  // between blocks
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(group * head_dim), acc(group * head_dim), scores;
+    std::vector<float> key(head_dim), value(head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
+      const int64_t len = lens[s];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = qp + s * q_stride + (kvh * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = to_f(src[d]);
+      }
+      scores.assign(group * n, 0.f);
+      group_scores(scores.data(), query.data(), fscale, kp + kvh * head_dim, bt + s * max_blocks,
+                   first, len, group, head_dim, block_size, block_stride, token_stride,
+                   key.data());
+      for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * n, n);
+      weighted_values(acc.data(), scores.data(), vp + kvh * head_dim, bt + s * max_blocks,
+                      first, len, group, head_dim, block_size, block_stride, token_stride,
+                      value.data());
+      for (int64_t g = 0; g < group; ++g) {
+        T* dst = op + (s * num_heads + kvh * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[g * head_dim + d]);
+      }
+    }
+  });
+}
+
+#if defined(__AVX512BF16__)
+// Walks the keys and values of the item a thread takes next, a few rows per call, into
+// L2: spread over the current item's work, it runs a whole item ahead of use.
+struct NextItemPrefetch {
+  const c10::BFloat16* kp = nullptr;  // at the item's KV head
+  const c10::BFloat16* vp = nullptr;
+  const int64_t* bt = nullptr;
+  int64_t t = 0, len = 0, block_size = 1, block_stride = 0, token_stride = 0, bytes = 0;
+
+  void step(int64_t rows) {
+    for (const int64_t stop = std::min(len, t + rows); t < stop; ++t) {
+      const int64_t at = bt[t / block_size] * block_stride + (t % block_size) * token_stride;
+      prefetch_row_l2(kp + at, bytes);
+      prefetch_row_l2(vp + at, bytes);
+    }
+  }
+};
+
+// scores[g * n + (t - first)] = q_g . k_t * scale for the G query heads of one KV head;
+// the block table is walked a block at a time, 16 tokens per reduction.
+template <int CH>
+void paged_scores_bf16(float* scores, const __m512bh* q, int64_t group, float scale,
+                       const c10::BFloat16* kp, const c10::BFloat16* vp, const int64_t* bt,
+                       int64_t first, int64_t len, int64_t block_size, int64_t block_stride,
+                       int64_t token_stride, NextItemPrefetch& next_item) {
+  const int64_t n = len - first;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t t = first; t < len;) {
+    const int64_t off = t % block_size, run = std::min(len - t, block_size - off);
+    const int64_t base = bt[t / block_size] * block_stride + off * token_stride;
+    const c10::BFloat16* k = kp + base;
+    const c10::BFloat16* v = vp + base;
+    float* row = scores + (t - first);
+    for (int64_t j = 0; j < std::min(run, kPrefetchTokens); ++j)
+      prefetch_row(k + j * token_stride, CH * 64);
+    for (int64_t i = 0; i < run; i += 16) {
+      const int64_t m = std::min<int64_t>(16, run - i);
+      next_item.step(m);
+      for (int64_t j = i + kPrefetchTokens; j < std::min(run, i + m + kPrefetchTokens); ++j)
+        prefetch_row(k + j * token_stride, CH * 64);
+      for (int64_t j = i; j < i + m; ++j) prefetch_row(v + j * token_stride, CH * 64);
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 acc[16];
+        for (int64_t j = 0; j < m; ++j) {
+          const c10::BFloat16* kr = k + (i + j) * token_stride;
+          __m512 a = _mm512_setzero_ps();
+          for (int c = 0; c < CH; ++c)
+            a = _mm512_dpbf16_ps(a, q[g * CH + c], (__m512bh)_mm512_loadu_si512(kr + c * 32));
+          acc[j] = a;
+        }
+        if (m == 16) {
+          _mm512_storeu_ps(row + g * n + i, _mm512_mul_ps(reduce16(acc), vscale));
+        } else {
+          for (int64_t j = 0; j < m; ++j) row[g * n + i + j] = _mm512_reduce_add_ps(acc[j]) * scale;
+        }
+      }
+    }
+    t += run;
+  }
+}
+
+// acc[g, d0:d0 + 16W] = sum over t of probs[g * n + (t - first)] * v_t[d0:d0 + 16W], the
+// G x W accumulators in registers for the whole sequence.
+template <int G, int W>
+void paged_values_bf16(float* acc, int64_t head_dim, const float* probs,
+                       const c10::BFloat16* vp, const int64_t* bt, int64_t first, int64_t len,
+                       int64_t block_size, int64_t block_stride, int64_t token_stride) {
+  const int64_t n = len - first;
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 16 * W) {
+    __m512 a[G][W];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < W; ++c) a[g][c] = _mm512_setzero_ps();
+    for (int64_t t = first; t < len;) {
+      const int64_t off = t % block_size, run = std::min(len - t, block_size - off);
+      const c10::BFloat16* v = vp + bt[t / block_size] * block_stride + off * token_stride + d0;
+      const float* p = probs + (t - first);
+      for (int64_t j = 0; j < run; ++j) {
+        if (j + kPrefetchTokens < run) prefetch_row(v + (j + kPrefetchTokens) * token_stride, W * 32);
+        __m512 x[W];
+        for (int c = 0; c < W; ++c) x[c] = bf16x16_load(v + j * token_stride + 16 * c);
+        for (int g = 0; g < G; ++g) {
+          const __m512 pg = _mm512_set1_ps(p[g * n + j]);
+          for (int c = 0; c < W; ++c) a[g][c] = _mm512_fmadd_ps(pg, x[c], a[g][c]);
+        }
+      }
+      t += run;
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < W; ++c) _mm512_storeu_ps(acc + g * head_dim + d0 + 16 * c, a[g][c]);
+  }
+}
+
+using PagedScoresFn = void (*)(float*, const __m512bh*, int64_t, float, const c10::BFloat16*,
+                               const c10::BFloat16*, const int64_t*, int64_t, int64_t, int64_t,
+                               int64_t, int64_t, NextItemPrefetch&);
+using PagedValuesFn = void (*)(float*, int64_t, const float*, const c10::BFloat16*,
+                               const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t);
+
+// bfloat16 decode attention for head_dim a multiple of 32 up to 256 and up to 8 query heads
+// per KV head; returns false (nothing written) for other shapes.
+bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, double scale, int64_t window) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, chunks = head_dim / 32;
+  if (head_dim % 32 != 0 || chunks > 8 || group > 8) return false;
+  static constexpr PagedScoresFn kScores[] = {
+      nullptr, paged_scores_bf16<1>, paged_scores_bf16<2>, paged_scores_bf16<3>,
+      paged_scores_bf16<4>, paged_scores_bf16<5>, paged_scores_bf16<6>, paged_scores_bf16<7>,
+      paged_scores_bf16<8>};
+  // Four vectors (64 dims) per pass where the registers allow, else two (32 dims).
+  static constexpr PagedValuesFn kValues4[] = {
+      nullptr, paged_values_bf16<1, 4>, paged_values_bf16<2, 4>, paged_values_bf16<3, 4>,
+      paged_values_bf16<4, 4>, paged_values_bf16<5, 4>, paged_values_bf16<6, 4>};
+  static constexpr PagedValuesFn kValues2[] = {
+      nullptr, paged_values_bf16<1, 2>, paged_values_bf16<2, 2>, paged_values_bf16<3, 2>,
+      paged_values_bf16<4, 2>, paged_values_bf16<5, 2>, paged_values_bf16<6, 2>,
+      paged_values_bf16<7, 2>, paged_values_bf16<8, 2>};
+  const PagedScoresFn scores_fn = kScores[chunks];
+  const PagedValuesFn values_fn =
+      (head_dim % 64 == 0 && group <= 6) ? kValues4[group] : kValues2[group];
+
+  const int64_t max_blocks = block_tables.size(1), q_stride = q.stride(0);
+  const auto* qp = q.data_ptr<c10::BFloat16>();
+  const auto* kp = key_cache.data_ptr<c10::BFloat16>();
+  const auto* vp = value_cache.data_ptr<c10::BFloat16>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(group * head_dim);
+    __m512bh query[64];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
+      const int64_t len = lens[s];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      const c10::BFloat16* qs = qp + s * q_stride + kvh * group * head_dim;
+      for (int64_t i = 0; i < group * chunks; ++i)
+        query[i] = (__m512bh)_mm512_loadu_si512(qs + i * 32);
+      scores.resize(group * n);
+      NextItemPrefetch next_item;
+      if (item + 1 < end) {
+        const int64_t s2 = (item + 1) / num_kv_heads, kvh2 = (item + 1) % num_kv_heads;
+        const int64_t len2 = lens[s2];
+        next_item = {kp + kvh2 * head_dim, vp + kvh2 * head_dim, bt + s2 * max_blocks,
+                     window > 0 ? std::max<int64_t>(0, len2 - window) : 0, len2, block_size,
+                     block_stride, token_stride, head_dim * 2};
+      }
+      scores_fn(scores.data(), query, group, fscale, kp + kvh * head_dim, vp + kvh * head_dim,
+                bt + s * max_blocks, first, len, block_size, block_stride, token_stride,
+                next_item);
+      next_item.step(next_item.len);  // what the scores did not reach (a longer next item)
+      for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * n, n);
+      values_fn(acc.data(), head_dim, scores.data(), vp + kvh * head_dim, bt + s * max_blocks,
+                first, len, block_size, block_stride, token_stride);
+      c10::BFloat16* dst = op + (s * num_heads + kvh * group) * head_dim;
+      for (int64_t i = 0; i < group * head_dim; i += 16)
+        bf16x16_store(dst + i, _mm512_loadu_ps(acc.data() + i));
+    }
+  });
+  return true;
+}
+#endif
+
+}  // namespace
+
+void decode_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
+                      at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                      int64_t window) {
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "decode_attention: bad q layout");
+  TORCH_CHECK(out.is_contiguous() && key_cache.is_contiguous() &&
+              value_cache.is_contiguous() && block_tables.is_contiguous() &&
+              seq_lens.is_contiguous(), "decode_attention: contiguous tensors expected");
+#if defined(__AVX512BF16__)
+  if (q.scalar_type() == at::kBFloat16 &&
+      decode_attention_bf16(out, q, key_cache, value_cache, block_tables, seq_lens, scale, window))
+    return;
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+    decode_attention_impl<scalar_t>(out, q, key_cache, value_cache, block_tables, seq_lens,
+                                    scale, window);
+  });
+}
+
+#if defined(__AVX512BF16__)
+// Causal softmax of prompt-chunk attention scores, in place, bfloat16 in and out:
+// scores [num_prefills * num_kv_heads, group * max_q, max_len] hold q . k (unscaled) for
+// query i of a chunk (position starts[seq] + i) against the keys at positions 0..max_len-1.
+// Each row becomes softmax(scale * scores) over the keys the query may see (positions up to
+// its own, and within the sliding window if any) and 0 elsewhere; padding rows (i at or past
+// the chunk's length) become 0.
+void prefill_softmax_bf16(at::Tensor scores, at::Tensor starts, at::Tensor query_lens,
+                          int64_t num_kv_heads, int64_t max_q, double scale, int64_t window) {
+  TORCH_CHECK(scores.scalar_type() == at::kBFloat16 && scores.is_contiguous() &&
+              starts.is_contiguous() && query_lens.is_contiguous(),
+              "prefill_softmax_bf16: contiguous bfloat16 scores expected");
+  const int64_t batches = scores.size(0), rows = scores.size(1), max_len = scores.size(2);
+  c10::BFloat16* sp = scores.data_ptr<c10::BFloat16>();
+  const int64_t* st = starts.data_ptr<int64_t>();
+  const int64_t* ql = query_lens.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, batches * rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(max_len + 16);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / rows / num_kv_heads, i = item % rows % max_q;
+      c10::BFloat16* row = sp + item * max_len;
+      const int64_t pos = st[seq] + i;
+      const int64_t lo = (i >= ql[seq]) ? max_len : (window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0);
+      const int64_t hi = (i >= ql[seq]) ? max_len : std::min(max_len, pos + 1);  // [lo, hi)
+      if (lo >= hi) {
+        std::memset(static_cast<void*>(row), 0, max_len * sizeof(c10::BFloat16));
+        continue;
+      }
+      // Vectors of 16 from a multiple of 16 below lo; lanes outside [lo, hi) are masked.
+      const int64_t first = lo & ~int64_t{15};
+      const auto lanes = [&](int64_t t) -> __mmask16 {
+        const int64_t a = std::max<int64_t>(lo - t, 0), b = std::min<int64_t>(hi - t, 16);
+        return a >= b ? 0 : static_cast<__mmask16>(((1u << b) - 1) & ~((1u << a) - 1));
+      };
+      const __m512 vscale = _mm512_set1_ps(fscale);
+      __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t t = first; t < hi; t += 16) {
+        const __mmask16 m = lanes(t);
+        const __m256i raw = _mm256_maskz_loadu_epi16(m, row + t);
+        const __m512 v = _mm512_mul_ps(
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)), vscale);
+        _mm512_storeu_ps(buf.data() + t - first, v);
+        vmax = _mm512_mask_max_ps(vmax, m, vmax, v);
+      }
+      const __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+      __m512 vsum = _mm512_setzero_ps();
+      for (int64_t t = first; t < hi; t += 16) {
+        const __m512 e = _mm512_maskz_mov_ps(
+            lanes(t), exp16(_mm512_sub_ps(_mm512_loadu_ps(buf.data() + t - first), vm)));
+        _mm512_storeu_ps(buf.data() + t - first, e);
+        vsum = _mm512_add_ps(vsum, e);
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+      const __m256i zero = _mm256_setzero_si256();
+      for (int64_t t = 0; t < max_len; t += 16) {
+        const __mmask16 in_row = static_cast<__mmask16>(
+            max_len - t >= 16 ? 0xFFFF : (1u << (max_len - t)) - 1);
+        __m256i out = zero;
+        if (t >= first && t < hi)  // masked lanes of buf hold 0
+          out = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(buf.data() + t - first), inv));
+        _mm256_mask_storeu_epi16(row + t, in_row, out);
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace cpullm

@@ -1,0 +1,21 @@
+// The Python module of the kernels: one entry per kernel in ops.h.
+#include <torch/extension.h>
+
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &cpullm::decode_attention, "paged attention, one query per sequence");
+  m.def("bind_threads", &cpullm::bind_threads, "pin intra-op threads, one per CPU");
+#if defined(__AVX512BF16__)
+  m.def("rms_norm_bf16", &cpullm::rms_norm_bf16, "bfloat16 RMSNorm, optionally fused with the residual add");
+  m.def("silu_and_mul_bf16", &cpullm::silu_and_mul_bf16, "bfloat16 silu(gate) * up");
+  m.def("gemm_bf16", &cpullm::gemm_bf16, "bfloat16 x @ w.T with w packed in 32-column panels, "
+        "optionally silu(gate) * up of interleaved gate and up panels");
+  m.def("prefill_softmax_bf16", &cpullm::prefill_softmax_bf16,
+        "causal softmax of prompt-chunk attention scores, in place");
+#endif
+  m.def("rotary_embedding", &cpullm::rotary_embedding, "rotate-half rotary embedding, in place");
+#if defined(__AVX512F__)
+  m.def("sample_from_logits", &cpullm::sample_from_logits, "one inverse-CDF draw per row of logits");
+#endif
+}

@@ -1,0 +1,118 @@
+// The bfloat16 GEMM on weights packed in 32-column panels.
+#include "ops.h"
+#include "vec.h"
+
+#include <array>
+#include <utility>
+
+namespace cpullm {
+
+#if defined(__AVX512BF16__)
+namespace {
+
+// bfloat16 x @ W.T for any number of rows, with W packed once into panels of 32 output
+// columns: panels[p][kk][c][j] = W[32p + c][2kk + j]. One 128-byte row of a panel holds the
+// (k, k+1) pairs of 32 columns, what two dpbf16 instructions multiply with a broadcast pair
+// of x. Each thread takes a contiguous run of panels; for each it walks the rows of x in
+// tiles of up to 12 (24 accumulators), and while it computes the first tile it prefetches
+// its next panel into L2, so weights that come from memory (every decode step reads them
+// all once) stream in behind the arithmetic instead of stalling it.
+//
+// With silu_mul, each panel holds 16 gate columns then the 16 matching up columns (the
+// caller interleaves a merged gate-up weight so), and the store writes
+// silu(gate) * up, rounded where silu_and_mul_bf16 rounds, into an output half as wide.
+constexpr int kGemmRows = 12;
+constexpr int64_t kGemmBlockRows = 264;  // rows of x a thread keeps in L2 across its panels
+
+template <int MR, bool PREFETCH, bool SILU_MUL>
+void gemm_tile(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t k2,
+               const c10::BFloat16* bias, c10::BFloat16* out, int64_t ldo, const char* next) {
+  __m512 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int32_t* xp = reinterpret_cast<const int32_t*>(x);  // (k, k+1) pairs
+  const int64_t ldx2 = ldx / 2;
+  for (int64_t kk = 0; kk < k2; ++kk) {
+    if (PREFETCH) {
+      _mm_prefetch(next + kk * 128, _MM_HINT_T1);
+      _mm_prefetch(next + kk * 128 + 64, _MM_HINT_T1);
+    }
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + kk * 64);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + kk * 64 + 32);
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(xp[r * ldx2 + kk]);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+    }
+  }
+  __m512 bias0 = _mm512_setzero_ps(), bias1 = _mm512_setzero_ps();
+  if (bias != nullptr) {
+    bias0 = bf16x16_load(bias);
+    bias1 = bf16x16_load(bias + 16);
+  }
+  for (int r = 0; r < MR; ++r) {
+    if (SILU_MUL) {
+      const __m512 gate = bf16_round(_mm512_add_ps(acc[r][0], bias0));
+      const __m512 up = bf16_round(_mm512_add_ps(acc[r][1], bias1));
+      const __m512 act = bf16_round(_mm512_div_ps(
+          gate, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate)))));
+      bf16x16_store(out + r * ldo, _mm512_mul_ps(act, up));
+    } else {
+      bf16x16_store(out + r * ldo, _mm512_add_ps(acc[r][0], bias0));
+      bf16x16_store(out + r * ldo + 16, _mm512_add_ps(acc[r][1], bias1));
+    }
+  }
+}
+
+using GemmTile = void (*)(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t,
+                          const c10::BFloat16*, c10::BFloat16*, int64_t, const char*);
+using GemmTiles = std::array<GemmTile, kGemmRows>;
+
+// tiles<PREFETCH, SILU_MUL>[rows - 1] computes a tile of that many rows.
+template <bool PREFETCH, bool SILU_MUL, int... MR>
+constexpr GemmTiles gemm_tiles(std::integer_sequence<int, MR...>) {
+  return GemmTiles{&gemm_tile<MR + 1, PREFETCH, SILU_MUL>...};
+}
+
+
+}  // namespace
+
+void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias,
+               bool silu_mul) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16 &&
+              out.scalar_type() == at::kBFloat16, "gemm_bf16: bfloat16 tensors expected");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.stride(0) % 2 == 0 && out.is_contiguous() &&
+              panels.is_contiguous() && panels.dim() == 4 && panels.size(2) == 32 &&
+              panels.size(3) == 2, "gemm_bf16: rows of x, packed panels [N/32, K/2, 32, 2]");
+  const int64_t m = x.size(0), k2 = panels.size(1), n = panels.size(0) * 32;
+  const int64_t width = silu_mul ? n / 2 : n, panel_width = silu_mul ? 16 : 32;
+  TORCH_CHECK(x.size(1) == 2 * k2 && out.size(0) == m && out.size(1) == width,
+              "gemm_bf16: shapes do not match");
+  using Rows = std::make_integer_sequence<int, kGemmRows>;
+  static const GemmTiles tables[2][2] = {
+      {gemm_tiles<false, false>(Rows{}), gemm_tiles<false, true>(Rows{})},
+      {gemm_tiles<true, false>(Rows{}), gemm_tiles<true, true>(Rows{})}};
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* wp = panels.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  const int64_t ldx = x.stride(0), panel_size = k2 * 64;
+  at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < m; r0 += kGemmBlockRows) {
+      const int64_t r1 = std::min(m, r0 + kGemmBlockRows);
+      for (int64_t p = begin; p < end; ++p) {
+        const c10::BFloat16* panel = wp + p * panel_size;
+        const char* next = reinterpret_cast<const char*>(panel + panel_size);
+        const c10::BFloat16* pb = bp != nullptr ? bp + p * 32 : nullptr;
+        for (int64_t r = r0; r < r1; r += kGemmRows) {
+          const int64_t rows = std::min<int64_t>(kGemmRows, r1 - r);
+          const GemmTiles& table = tables[r == 0 && p + 1 < end][silu_mul];
+          table[rows - 1](xp + r * ldx, ldx, panel, k2, pb, op + r * width + p * panel_width,
+                          width, next);
+        }
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace cpullm

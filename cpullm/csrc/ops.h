@@ -1,0 +1,42 @@
+// The kernels cpullm's Python side calls (bound in bindings.cpp), one file per family:
+// attention.cpp, gemm.cpp, pointwise.cpp (rotary, RMSNorm, SiLU-mul), sampling.cpp,
+// threads.cpp. Kernels that need an instruction set exist only where it is compiled in.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+namespace cpullm {
+
+// attention.cpp
+void decode_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
+                      at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                      int64_t window);
+#if defined(__AVX512BF16__)
+void prefill_softmax_bf16(at::Tensor scores, at::Tensor starts, at::Tensor query_lens,
+                          int64_t num_kv_heads, int64_t max_q, double scale, int64_t window);
+#endif
+
+// pointwise.cpp
+void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos,
+                      at::Tensor sin);
+#if defined(__AVX512BF16__)
+void rms_norm_bf16(at::Tensor out, at::Tensor x, c10::optional<at::Tensor> residual,
+                   at::Tensor weight, double eps);
+void silu_and_mul_bf16(at::Tensor out, at::Tensor x);
+
+// gemm.cpp
+void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias,
+               bool silu_mul);
+#endif
+
+// sampling.cpp
+#if defined(__AVX512F__)
+at::Tensor sample_from_logits(at::Tensor logits, at::Tensor temperature, at::Tensor uniform);
+#endif
+
+// threads.cpp
+std::vector<int64_t> bind_threads(std::vector<int64_t> cpus);
+
+}  // namespace cpullm

@@ -1,0 +1,120 @@
+// Rotary embedding, bfloat16 RMSNorm (fused with the residual add) and SiLU-mul.
+#include "ops.h"
+#include "vec.h"
+
+#include <vector>
+
+namespace cpullm {
+
+namespace {
+
+// In place, rotate-half layout: x = x * cos + rotate_half(x) * sin, per head.
+// cos/sin: [max_position, head_dim] float32; x: [num_tokens, num_heads, head_dim].
+template <typename T>
+void rotary_one(T* x, int64_t token_stride, const int64_t* positions, const float* cos,
+                const float* sin, int64_t tokens, int64_t heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, tokens, grain_for(heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + positions[t] * head_dim;
+      const float* s = sin + positions[t] * head_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = x + t * token_stride + h * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_f(v[i]), x2 = to_f(v[i + half]);
+          // Products rounded as the unfused ops round them, then added.
+          const T a = static_cast<T>(x1 * to_f(static_cast<T>(c[i])));
+          const T b = static_cast<T>(-x2 * to_f(static_cast<T>(s[i])));
+          const T e = static_cast<T>(x2 * to_f(static_cast<T>(c[i + half])));
+          const T f = static_cast<T>(x1 * to_f(static_cast<T>(s[i + half])));
+          v[i] = static_cast<T>(to_f(a) + to_f(b));
+          v[i + half] = static_cast<T>(to_f(e) + to_f(f));
+        }
+      }
+    }
+  });
+}
+
+
+}  // namespace
+
+void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos,
+                      at::Tensor sin) {
+  for (const at::Tensor* x : {&q, &k})
+    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2),
+                "rotary_embedding: heads must be contiguous within a token");
+  TORCH_CHECK(positions.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
+              "rotary_embedding: contiguous tables expected");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary", [&] {
+    rotary_one<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), positions.data_ptr<int64_t>(),
+                         cos.data_ptr<float>(), sin.data_ptr<float>(), q.size(0), q.size(1),
+                         q.size(2));
+    rotary_one<scalar_t>(k.data_ptr<scalar_t>(), k.stride(0), positions.data_ptr<int64_t>(),
+                         cos.data_ptr<float>(), sin.data_ptr<float>(), k.size(0), k.size(1),
+                         k.size(2));
+  });
+}
+
+
+#if defined(__AVX512BF16__)
+
+// bfloat16 RMSNorm: with a residual, residual = x + residual and x = norm(residual) * w,
+// in place; without, out = norm(x) * w. Rounds where the unfused torch ops round.
+void rms_norm_bf16(at::Tensor out, at::Tensor x, c10::optional<at::Tensor> residual,
+                   at::Tensor weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && out.is_contiguous() &&
+              weight.is_contiguous(), "rms_norm_bf16: contiguous bfloat16 tensors expected");
+  const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  TORCH_CHECK(dim % 16 == 0, "rms_norm_bf16: hidden size must be a multiple of 16");
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  c10::BFloat16* rp = residual.has_value() ? residual->data_ptr<c10::BFloat16>() : nullptr;
+  const c10::BFloat16* wp = weight.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, rows, grain_for(dim), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      __m512 sq = _mm512_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 16) {
+        __m512 v = bf16x16_load(xp + r * dim + d);
+        if (rp != nullptr) {
+          v = bf16_round(_mm512_add_ps(v, bf16x16_load(rp + r * dim + d)));
+          bf16x16_store(rp + r * dim + d, v);
+        }
+        _mm512_storeu_ps(buf.data() + d, v);
+        sq = _mm512_fmadd_ps(v, v, sq);
+      }
+      const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(dim) +
+                                        static_cast<float>(eps));
+      const __m512 vinv = _mm512_set1_ps(inv);
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m512 normed = bf16_round(_mm512_mul_ps(_mm512_loadu_ps(buf.data() + d), vinv));
+        bf16x16_store(op + r * dim + d, _mm512_mul_ps(bf16x16_load(wp + d), normed));
+      }
+    }
+  });
+}
+
+// bfloat16 out[r, :d] = silu(x[r, :d]) * x[r, d:], rounding like silu() then mul.
+void silu_and_mul_bf16(at::Tensor out, at::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && out.is_contiguous(),
+              "silu_and_mul_bf16: contiguous bfloat16 tensors expected");
+  const int64_t d = out.size(-1), rows = out.numel() / d;
+  TORCH_CHECK(d % 16 == 0, "silu_and_mul_bf16: width must be a multiple of 16");
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, rows, grain_for(3 * d), [&](int64_t begin, int64_t end) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t i = 0; i < d; i += 16) {
+        const __m512 g = bf16x16_load(xp + r * 2 * d + i);
+        const __m512 u = bf16x16_load(xp + r * 2 * d + d + i);
+        const __m512 act = bf16_round(
+            _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+        bf16x16_store(op + r * d + i, _mm512_mul_ps(act, u));
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace cpullm

@@ -1,0 +1,84 @@
+// The sampler's fused inverse-CDF draw.
+#include "ops.h"
+#include "vec.h"
+
+#include <vector>
+
+namespace cpullm {
+
+#if defined(__AVX512F__)
+// One draw per row from softmax(logits[r] / temperature[r]): the first token whose
+// cumulative weight exceeds uniform[r] times the total (inverse-CDF sampling, as
+// searchsorted over a cumulative sum does it, without materializing either).
+// logits: [rows, vocab] float32; temperature, uniform: [rows] float32; returns [rows] int64.
+at::Tensor sample_from_logits(at::Tensor logits, at::Tensor temperature, at::Tensor uniform) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && temperature.scalar_type() == at::kFloat &&
+              uniform.scalar_type() == at::kFloat && logits.stride(1) == 1 &&
+              temperature.is_contiguous() && uniform.is_contiguous(),
+              "sample_from_logits: float32 rows expected");
+  const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
+  at::Tensor tokens = at::empty({rows}, at::kLong);
+  const float* lp = logits.data_ptr<float>();
+  const float* tp = temperature.data_ptr<float>();
+  const float* up = uniform.data_ptr<float>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  const int64_t chunks = vocab / 16;  // full 16-wide chunks; the tail is scalar
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> weights(vocab), chunk_sums(chunks + 1);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = lp + r * stride;
+      __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t c = 0; c < chunks; ++c) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(x + 16 * c));
+      float mx = _mm512_reduce_max_ps(vmax);
+      for (int64_t i = chunks * 16; i < vocab; ++i) mx = std::max(mx, x[i]);
+      const float inv_t = 1.f / tp[r];
+      const __m512 vm = _mm512_set1_ps(mx), vinv = _mm512_set1_ps(inv_t);
+      const __m512 vninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      // weights and per-chunk sums; the total is the sum of the chunk sums, in order, so
+      // the scan below reaches it exactly.
+      float total = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m512 xv = _mm512_loadu_ps(x + 16 * c);
+        // exp16 clamps its input, so masked tokens (-inf) are zeroed explicitly.
+        const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(xv, vninf, _CMP_NEQ_UQ),
+                                             exp16(_mm512_mul_ps(_mm512_sub_ps(xv, vm), vinv)));
+        _mm512_storeu_ps(weights.data() + 16 * c, e);
+        chunk_sums[c] = _mm512_reduce_add_ps(e);
+        total += chunk_sums[c];
+      }
+      float tail = 0.f;
+      for (int64_t i = chunks * 16; i < vocab; ++i) {
+        weights[i] = std::exp((x[i] - mx) * inv_t);
+        tail += weights[i];
+      }
+      chunk_sums[chunks] = tail;
+      total += tail;
+      const float target = up[r] * total;
+      int64_t token = -1, last_nonzero = 0;
+      float running = 0.f;
+      for (int64_t c = 0; c <= chunks && token < 0; ++c) {
+        if (chunk_sums[c] <= 0.f) continue;
+        const int64_t lo = 16 * c, hi = std::min(vocab, lo + 16);
+        if (running + chunk_sums[c] <= target && c < chunks) {
+          running += chunk_sums[c];
+          for (int64_t i = hi - 1; i >= lo; --i)
+            if (weights[i] > 0.f) { last_nonzero = i; break; }
+          continue;
+        }
+        for (int64_t i = lo; i < hi; ++i) {
+          if (weights[i] <= 0.f) continue;
+          last_nonzero = i;
+          running += weights[i];
+          if (running > target) { token = i; break; }
+        }
+      }
+      // Rounding inside the last chunk can leave the scan just short: the last token with
+      // any weight is then the draw.
+      out[r] = token >= 0 ? token : last_nonzero;
+    }
+  });
+  return tokens;
+}
+#endif
+
+}  // namespace cpullm
