@@ -90,8 +90,13 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.block_size % 32:
-            raise ValueError(f"block_size must be a positive multiple of 32, got {self.block_size}")
+        self.check_block_size(self.block_size)
+
+    @staticmethod
+    def check_block_size(block_size: int) -> None:
+        """Refuse a block size that is not a positive multiple of 32."""
+        if block_size <= 0 or block_size % 32:
+            raise ValueError(f"block_size must be a positive multiple of 32, got {block_size}")
 
 
 @dataclass(frozen=True)

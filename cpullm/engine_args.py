@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +13,7 @@ from cpullm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from cpullm.logger import init_logger
 from cpullm.platform import CpuTopology, format_cpu_list, plan_binding, resolve_dtype
 from cpullm.transformers_utils import DEFAULT_MODEL_NAME, load_hf_config, resolve_model
+from cpullm.utils import cdiv
 
 logger = init_logger(__name__)
 
@@ -154,10 +154,9 @@ class EngineArgs:
         return EngineConfig(model_config, cache, scheduler, parallel)
 
     def _num_kv_blocks(self, model_config: ModelConfig, parallel: ParallelConfig) -> int:
-        if self.block_size <= 0 or self.block_size % 32:
-            raise ValueError(f"block_size must be a positive multiple of 32, got {self.block_size}")
+        CacheConfig.check_block_size(self.block_size)  # before the sizes below use it
         block_bytes = model_config.kv_bytes_per_token() * self.block_size
-        blocks_per_seq = math.ceil(model_config.max_model_len / self.block_size)
+        blocks_per_seq = cdiv(model_config.max_model_len, self.block_size)
         weights = model_config.weight_bytes()
         available = _available_memory(parallel)
         if self.kv_cache_memory_bytes is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from cpullm.engine.request import Request
+from cpullm.utils import cdiv
 
 
 class BlockPool:
@@ -107,7 +108,7 @@ class KVCacheManager:
         cached_blocks = cached_blocks or []
         pool = self.pool
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
-        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = num_needed - len(request.block_table) - len(cached_blocks)
         # Cached blocks that sit in the free queue stop being free once touched.
         num_revived = sum(1 for b in cached_blocks if pool.ref_counts[b] == 0)

@@ -26,6 +26,7 @@ from cpullm.model_executor.loader import get_model
 from cpullm.platform.affinity import bind_compute_threads, prefer_local_memory
 from cpullm.platform.memory import tune_malloc
 from cpullm.platform.topology import CpuTopology
+from cpullm.utils import cdiv
 from cpullm.worker.sampler import LogprobsLists, Sampler, SamplingBatch, compute_logprobs
 
 logger = init_logger(__name__)
@@ -193,10 +194,10 @@ class ModelRunner:
 
         nd = int((query_lens == 1).sum())
         decode_len = int(seq_lens[:nd].max()) if nd else 0
-        decode_blocks = -(-decode_len // bs)
+        decode_blocks = cdiv(decode_len, bs)
         p_lens, p_starts = query_lens[nd:], starts[nd:]
         max_q = int(p_lens.max()) if len(p_lens) else 0
-        prefill_blocks = -(-int(seq_lens[nd:].max()) // bs) if len(p_lens) else 0
+        prefill_blocks = cdiv(int(seq_lens[nd:].max()), bs) if len(p_lens) else 0
         prefill_query_index = (np.repeat(np.arange(len(p_lens)) * max_q, p_lens)
                                + np.arange(num_tokens - nd)
                                - np.repeat(np.cumsum(p_lens) - p_lens, p_lens))

@@ -81,8 +81,9 @@ def load_ops() -> KernelTable | None:
     start = time.perf_counter()
     try:
         module = cpp_extension.load(
+            # (no include path: it would key torch's build cache on this install's folder;
+            # the headers sit beside the sources, and their content is in the name)
             name=build_name(), sources=[os.path.join(_CSRC, s) for s in _SOURCES],
-            extra_include_paths=[_CSRC],
             # -ffp-contract=off: no fused multiply-adds, so that float32 results round like
             # the unfused torch ops they replace.
             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
