@@ -223,14 +223,22 @@ def test_kernel_table_lists_the_build():
         assert ops.gemm_bf16 is not None and ops.rms_norm_bf16 is not None
 
 
-def test_build_is_keyed_on_the_cpu(monkeypatch):
-    """Another CPU (other instruction sets) gets another build, not this one's."""
+def test_build_is_keyed_on_the_cpu_and_the_install(monkeypatch, tmp_path):
+    """Another CPU (other instruction sets), or another install of the same sources, gets
+    a build of its own, not this one's."""
+    import shutil
+
     from cpullm.model_executor.layers import ops as ops_py
     from cpullm.platform.cpu import CpuInfo
 
     mine = ops_py.build_name()
+    assert mine == ops_py.build_name() and mine.startswith("cpullm_ops_")
+    shutil.copytree(ops_py._CSRC, tmp_path / "csrc")
+    monkeypatch.setattr(ops_py, "_CSRC", str(tmp_path / "csrc"))
+    assert ops_py.build_name() != mine
+    monkeypatch.undo()
     info = cpu_info()
     other = CpuInfo(info.vendor, info.model_name, info.flags - {"avx512_bf16", "amx_bf16"}
                     | {"avx2"})
     monkeypatch.setattr(ops_py, "cpu_info", lambda: other)
-    assert ops_py.build_name() != mine and ops_py.build_name().startswith("cpullm_ops_")
+    assert ops_py.build_name() != mine

@@ -7,9 +7,10 @@ compiler, no headers): callers then use plain torch ops, which is also what
 
 The build is compiled with ``-march=native`` and cached by torch under
 TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), under a name keyed on the
-sources and on the instruction sets of the CPU: a second install of cpullm, or another
-CPU sharing the same home folder, gets its own build instead of rebuilding over the other's
-at every switch or loading one made for instructions this CPU lacks (SIGILL).
+sources, on their folder and on the instruction sets of the CPU: a second install of
+cpullm, or another CPU sharing the same home folder, gets its own build instead of
+rebuilding over the other's at every switch or loading one made for instructions this CPU
+lacks (SIGILL).
 """
 
 from __future__ import annotations
@@ -63,8 +64,10 @@ class KernelTable:
 
 
 def build_name() -> str:
-    """The extension's name: the sources' hash and the CPU's instruction sets in it."""
-    digest = hashlib.sha256()
+    """The extension's name: a hash of the sources, of where they are (torch's build writes
+    their paths into its ninja file, so another install's build would be redone) and of
+    the CPU's instruction sets."""
+    digest = hashlib.sha256(_CSRC.encode())
     for name in _SOURCES + _HEADERS:
         with open(os.path.join(_CSRC, name), "rb") as f:
             digest.update(name.encode() + b"\0" + f.read())
@@ -81,8 +84,6 @@ def load_ops() -> KernelTable | None:
     start = time.perf_counter()
     try:
         module = cpp_extension.load(
-            # (no include path: it would key torch's build cache on this install's folder;
-            # the headers sit beside the sources, and their content is in the name)
             name=build_name(), sources=[os.path.join(_CSRC, s) for s in _SOURCES],
             # -ffp-contract=off: no fused multiply-adds, so that float32 results round like
             # the unfused torch ops they replace.
