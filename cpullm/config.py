@@ -27,6 +27,7 @@ class ModelConfig:
     tokenizer: str | None = None
     chat_template: str | None = None
     enforce_eager: bool = False
+    quantization: str | None = None  # the checkpoint's format (vLLM's names); None: dense
 
     @property
     def architecture(self) -> str:

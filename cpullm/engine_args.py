@@ -12,7 +12,12 @@ from cpullm import envs
 from cpullm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from cpullm.logger import init_logger
 from cpullm.platform import CpuTopology, format_cpu_list, plan_binding, resolve_dtype
-from cpullm.transformers_utils import DEFAULT_MODEL_NAME, load_hf_config, resolve_model
+from cpullm.transformers_utils import (
+    DEFAULT_MODEL_NAME,
+    ModelSource,
+    load_hf_config,
+    resolve_model,
+)
 from cpullm.utils import cdiv
 
 logger = init_logger(__name__)
@@ -47,6 +52,7 @@ class EngineArgs:
     served_model_name: str | None = None
     chat_template: str | None = None
     enforce_eager: bool = False
+    quantization: str | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser,
@@ -98,6 +104,9 @@ class EngineArgs:
         parser.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
                             help="plain torch ops instead of the compiled CPU kernels "
                             "(for debugging)")
+        parser.add_argument("--quantization", "-q", default=d.quantization,
+                            help="the checkpoint's quantization format, as vLLM names it; "
+                            "unset: found from the checkpoint (gguf for a .gguf file)")
         return parser
 
     @classmethod
@@ -130,6 +139,7 @@ class EngineArgs:
         if max_model_len > max_position:
             raise ValueError(f"max_model_len={max_model_len} is larger than the model's "
                              f"max_position_embeddings={max_position}")
+        quantization = self._quantization(source)
         chat_template = self.chat_template
         if chat_template and "{" not in chat_template:
             with open(chat_template) as f:
@@ -138,7 +148,7 @@ class EngineArgs:
             source=source, hf_config=hf_config, dtype=dtype, max_model_len=max_model_len,
             seed=self.seed, tokenizer=self.tokenizer, chat_template=chat_template,
             served_model_name=self.served_model_name or (self.model or DEFAULT_MODEL_NAME),
-            enforce_eager=self.enforce_eager)
+            enforce_eager=self.enforce_eager, quantization=quantization)
         from cpullm.model_executor.models import get_model_class  # (models import the loader)
 
         get_model_class(model_config.architecture)  # an unsupported one fails here, by name
@@ -152,6 +162,21 @@ class EngineArgs:
         cache = CacheConfig(self.block_size, self._num_kv_blocks(model_config, parallel),
                             self.enable_prefix_caching)
         return EngineConfig(model_config, cache, scheduler, parallel)
+
+    def _quantization(self, source: ModelSource) -> str | None:
+        """The checkpoint's format: gguf for a GGUF file, else dense. A --quantization that
+        names another format, or gguf for a folder, is refused by name."""
+        found = "gguf" if source.gguf_file else None
+        if self.quantization is not None and self.quantization != found:
+            supported = "gguf (for a .gguf file)"
+            if self.quantization == "gguf":
+                raise ValueError(f"quantization: gguf needs a .gguf model file; {source.directory}"
+                                 " is a folder")
+            raise ValueError(f"quantization: {self.quantization!r} is not supported; supported: "
+                             f"{supported}, or unset for dense weights")
+        if found == "gguf":
+            logger.info("Quantization: gguf (weights dequantized to the compute dtype at load)")
+        return found
 
     def _num_kv_blocks(self, model_config: ModelConfig, parallel: ParallelConfig) -> int:
         CacheConfig.check_block_size(self.block_size)  # before the sizes below use it

@@ -77,3 +77,20 @@ def test_config_and_tokenizer_equal_transformers(case, default_fields, tmp_path)
     assert tokenizer.chat_template == expected.chat_template
     text = "Hello, world! <|im_start|>user\n  élan 1234 "
     assert tokenizer(text).input_ids == expected(text).input_ids
+
+
+def test_quantization_flag_as_vllm_spells_it(tiny_model):
+    from cpullm.engine_args import EngineArgs
+
+    def config(model, **kwargs):
+        return EngineArgs(model=model, dtype="float32", max_model_len=256, block_size=32,
+                          kv_cache_memory_bytes=1 << 24, **kwargs).create_engine_config()
+
+    assert config(None).model.quantization == "gguf"  # found from the .gguf file
+    assert config(None, quantization="gguf").model.quantization == "gguf"
+    folder = str(tiny_model("llama"))
+    assert config(folder).model.quantization is None
+    with pytest.raises(ValueError, match="quantization: gguf needs a .gguf"):
+        config(folder, quantization="gguf")
+    with pytest.raises(ValueError, match="quantization: 'awq' is not supported"):
+        config(folder, quantization="awq")
