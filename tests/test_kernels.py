@@ -180,7 +180,7 @@ def test_bf16_prompt_attention_matches_sdpa(window, shapes):
     the compiled bfloat16 path against SDPA over the same cache."""
     from types import SimpleNamespace
 
-    from cpullm.engine.scheduler import ScheduledRequest
+    from cpullm.engine.sched_output import ScheduledRequest
     from cpullm.model_executor.layers.attention import PagedAttention
     from cpullm.sampling_params import SamplingParams
     from cpullm.worker.model_runner import ModelRunner

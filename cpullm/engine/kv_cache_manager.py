@@ -104,7 +104,8 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        cached_blocks: list[int] | None = None) -> bool:
         """Give the request room for num_new_tokens more tokens (after cached_blocks, which
-        become its first blocks). All or nothing: False leaves everything untouched."""
+        become its first blocks). All or nothing: False leaves everything untouched. The
+        scheduler, not this, counts the cached blocks' tokens as computed."""
         cached_blocks = cached_blocks or []
         pool = self.pool
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
@@ -117,7 +118,6 @@ class KVCacheManager:
         for block in cached_blocks:
             pool.touch(block)
         request.block_table.extend(cached_blocks)
-        request.num_computed_tokens = num_computed
         request.block_table.extend(pool.allocate() for _ in range(num_new_blocks))
         return True
 
@@ -135,4 +135,3 @@ class KVCacheManager:
         for block in reversed(request.block_table):
             self.pool.free(block)
         request.block_table = []
-        request.num_computed_tokens = 0

@@ -11,6 +11,7 @@ import torch
 from cpullm.config import EngineConfig
 from cpullm.engine.detokenizer import IncrementalDetokenizer
 from cpullm.engine.request import Request, RequestStatus
+from cpullm.engine.sched_output import LogprobsLists
 from cpullm.engine.scheduler import Scheduler
 from cpullm.engine_args import EngineArgs
 from cpullm.logger import init_logger
@@ -18,7 +19,6 @@ from cpullm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOut
 from cpullm.sampling_params import RequestOutputKind, SamplingParams
 from cpullm.transformers_utils import load_tokenizer
 from cpullm.worker.model_runner import ModelRunner
-from cpullm.worker.sampler import LogprobsLists
 
 logger = init_logger(__name__)
 

@@ -13,36 +13,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from cpullm.config import CacheConfig, SchedulerConfig
 from cpullm.engine.kv_cache_manager import KVCacheManager
 from cpullm.engine.request import Request, RequestStatus
-from cpullm.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a step, as the model runner needs it."""
-
-    request_id: str
-    token_ids: list[int]  # the tokens to compute: all_token_ids[num_computed_tokens:][:n]
-    num_computed_tokens: int  # position of token_ids[0]
-    block_table: list[int]
-    sample: bool  # this step reaches the request's last token, so it samples the next one
-    sampling_params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """The contract going down to the model runner."""
-
-    scheduled: list[ScheduledRequest]
-    num_scheduled_tokens: int
-    # Requests finished since the previous step: the runner drops their state (generators).
-    finished_request_ids: set[str] = field(default_factory=set)
+from cpullm.engine.sched_output import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
@@ -94,6 +69,7 @@ class Scheduler:
             if not self.kv_cache_manager.allocate_slots(request, num_new, cached_blocks):
                 break
             self.waiting.popleft()
+            request.num_computed_tokens = num_cached  # the found prefix needs no compute
             if request.status == RequestStatus.WAITING:  # scheduled for the first time
                 request.num_cached_tokens = num_cached
                 request.scheduled_time = time.monotonic()
@@ -124,6 +100,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0  # recomputed from the start when rescheduled
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         self.num_preemptions += 1

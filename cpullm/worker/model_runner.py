@@ -12,13 +12,17 @@ import ctypes
 import mmap
 import threading
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from cpullm.config import EngineConfig
-from cpullm.engine.scheduler import ScheduledRequest, SchedulerOutput
+from cpullm.engine.sched_output import (
+    LogprobsLists,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from cpullm.logger import init_logger
 from cpullm.model_executor.layers.attention import AttentionMetadata
 from cpullm.model_executor.layers.ops import load_ops
@@ -27,7 +31,7 @@ from cpullm.platform.affinity import bind_compute_threads, prefer_local_memory
 from cpullm.platform.memory import tune_malloc
 from cpullm.platform.topology import CpuTopology
 from cpullm.utils import cdiv
-from cpullm.worker.sampler import LogprobsLists, Sampler, SamplingBatch, compute_logprobs
+from cpullm.worker.sampler import Sampler, SamplingBatch, compute_logprobs
 
 logger = init_logger(__name__)
 
@@ -66,17 +70,6 @@ def _reserve(tensors: list[torch.Tensor]) -> None:
                             _MADV_POPULATE_WRITE) != 0:
                 tensor.zero_()  # a kernel before 5.14: write the zeros instead
                 break
-
-
-@dataclass
-class ModelRunnerOutput:
-    """The contract coming back: the new token of every request that sampled."""
-
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    # request id -> one row for its new token
-    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
-    # request id -> one row per prompt position computed this step (predicting the next)
-    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
 
 
 class ModelRunner:

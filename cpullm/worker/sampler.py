@@ -13,17 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from cpullm.engine.sched_output import LogprobsLists
 from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class LogprobsLists:
-    """Per row: token ids [chosen, top-1, ..., top-k], their logprobs, the chosen one's rank."""
-
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]
 
 
 def compute_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> LogprobsLists:
