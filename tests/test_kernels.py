@@ -131,6 +131,9 @@ def test_packed_linear_matches_float32(rows, output_size, amx, monkeypatch):
     assert layer.gemm is not None and layer.weight.numel() == 0  # the packed copy only
     assert (layer.gemm.kernel is not None) == (output_size % 32 == 0)
     assert layer.gemm.own_rows == (0 if output_size % 32 else 8 if amx else sys.maxsize)
+    assert layer.gemm.path == (dense.GemmPath.ONEDNN if output_size % 32
+                               else dense.GemmPath.OWN_THEN_ONEDNN if amx
+                               else dense.GemmPath.OWN)
     for x in (wide[:, :576], wide[:, :576].contiguous().view(1, rows, 576)):
         got = layer(x)
         assert got.dtype == torch.bfloat16 and got.shape == (*x.shape[:-1], output_size)

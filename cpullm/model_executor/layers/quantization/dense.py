@@ -3,6 +3,7 @@ quantization format gives it another, and the packed GEMMs behind it."""
 
 from __future__ import annotations
 
+import enum
 import sys
 from typing import TYPE_CHECKING
 
@@ -71,6 +72,21 @@ def _has_amx() -> bool:
     return "amx_bf16" in cpu_info().flags
 
 
+class GemmPath(enum.Enum):
+    """Which GEMM runs a packed weight, by the number of rows of x."""
+
+    OWN = "cpullm bf16 GEMM"
+    ONEDNN = "oneDNN matmul, prepacked weight"
+    OWN_THEN_ONEDNN = (f"cpullm bf16 GEMM up to {_OWN_GEMM_ROWS_WITH_AMX} rows, "
+                       "oneDNN matmul (AMX) above")
+
+    @property
+    def own_rows(self) -> int:
+        """Up to how many rows the own GEMM runs."""
+        return {GemmPath.OWN: sys.maxsize, GemmPath.ONEDNN: 0,
+                GemmPath.OWN_THEN_ONEDNN: _OWN_GEMM_ROWS_WITH_AMX}[self]
+
+
 class PackedGemm:
     """A bfloat16/float16 weight [out, in] and its bias, reordered once for the GEMMs that
     run them.
@@ -104,8 +120,9 @@ class PackedGemm:
             if not torch.backends.mkldnn.is_available():
                 raise RuntimeError("oneDNN is not available")
             self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 128)
-        self.own_rows = 0 if not own else (
-            _OWN_GEMM_ROWS_WITH_AMX if self.onednn is not None else sys.maxsize)
+        self.path = (GemmPath.ONEDNN if not own else GemmPath.OWN if self.onednn is None
+                     else GemmPath.OWN_THEN_ONEDNN)
+        self.own_rows = self.path.own_rows  # read on every call
         self.panels = self.panel_bias = None
         if own:
             if silu_mul is not None:  # rows: gate 0-15, up 0-15, gate 16-31, up 16-31, ...
@@ -124,7 +141,7 @@ class PackedGemm:
             return None
         try:
             return cls(weight, bias, ops, silu_mul)
-        except (RuntimeError, AttributeError):
+        except RuntimeError:  # no oneDNN
             return None
 
     @property
@@ -132,13 +149,7 @@ class PackedGemm:
         return self.act is not None
 
     def describe(self) -> str:
-        if self.onednn is None:
-            path = "cpullm bf16 GEMM"
-        elif self.kernel is None:
-            path = "oneDNN matmul, prepacked weight"
-        else:
-            path = f"cpullm bf16 GEMM up to {self.own_rows} rows, oneDNN matmul (AMX) above"
-        return path + (", with SiLU-mul" if self.silu_mul else "")
+        return self.path.value + (", with SiLU-mul" if self.silu_mul else "")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
