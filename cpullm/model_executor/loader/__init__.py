@@ -23,9 +23,11 @@ def get_model(config: ModelConfig, ops: KernelTable | None) -> nn.Module:
     """The model with its weights loaded; ``ops``: the compiled kernels it may use, or None
     for plain torch ops."""
     start = time.perf_counter()
+    source = config.source
+    logger.info("Loading the weights from %s%s", source.gguf_file or source.directory,
+                " (GGUF tensors dequantized to the compute dtype)" if source.gguf_file else "")
     model_class = get_model_class(config.architecture)
     model = model_class(config.hf_config, config.max_model_len, config.dtype, ops)
-    source = config.source
     if source.gguf_path is not None:
         weights = iterate_gguf(source.gguf_path, config.num_heads, config.num_kv_heads)
     else:
