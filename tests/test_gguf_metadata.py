@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from cpullm.transformers_utils import (
@@ -94,3 +95,43 @@ def test_quantization_flag_as_vllm_spells_it(tiny_model):
         config(folder, quantization="gguf")
     with pytest.raises(ValueError, match="quantization: 'awq' is not supported"):
         config(folder, quantization="awq")
+
+
+@pytest.mark.parametrize("with_q5", [False, True])
+def test_tensors_read_as_gguf_reads_them(tmp_path, with_q5):
+    """The loader's tensors equal gguf's own reader and dequantizer, for float and block
+    types alike; Q5_0/Q5_1, which the fast tensor table cannot size, take gguf's reader."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize, quantize
+
+    from cpullm.model_executor.loader.gguf_loader import hf_name, iterate_gguf
+
+    rng = np.random.default_rng(0)
+    types = {"token_embd.weight": T.F32, "blk.0.attn_q.weight": T.F16,
+             "blk.0.attn_k.weight": T.BF16, "blk.0.attn_v.weight": T.Q8_0,
+             "blk.0.attn_output.weight": T.Q4_0, "blk.0.ffn_gate.weight": T.Q4_1}
+    if with_q5:
+        types |= {"blk.0.ffn_up.weight": T.Q5_0, "blk.0.ffn_down.weight": T.Q5_1}
+    path = str(tmp_path / "t.gguf")
+    writer = GGUFWriter(path, "qwen2")  # qwen2: q and k stored unpermuted
+    for name, qtype in types.items():
+        values = rng.standard_normal((32, 64)).astype(np.float32)
+        if qtype == T.F32:
+            writer.add_tensor(name, values)
+        elif qtype == T.F16:
+            writer.add_tensor(name, values.astype(np.float16))
+        else:
+            writer.add_tensor(name, quantize(values, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    got = dict(iterate_gguf(path, num_heads=4, num_kv_heads=2))
+    reader = GGUFReader(path)
+    assert len(got) == len(types) == len(reader.tensors)
+    for tensor in reader.tensors:
+        expected = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        assert tensor.tensor_type == types[tensor.name]
+        assert got[hf_name(tensor.name)].dtype == torch.float32
+        assert np.array_equal(got[hf_name(tensor.name)].numpy(), expected), tensor.name
