@@ -175,7 +175,7 @@ class EngineArgs:
             raise ValueError(f"quantization: {self.quantization!r} is not supported; supported: "
                              f"{supported}, or unset for dense weights")
         if found == "gguf":
-            logger.info("Quantization: gguf (weights dequantized to the compute dtype at load)")
+            logger.info("Quantization: gguf (the blocks kept quantized)")
         return found
 
     def _num_kv_blocks(self, model_config: ModelConfig, parallel: ParallelConfig) -> int:

@@ -99,11 +99,17 @@ def test_quantization_flag_as_vllm_spells_it(tiny_model):
 
 @pytest.mark.parametrize("with_q5", [False, True])
 def test_tensors_read_as_gguf_reads_them(tmp_path, with_q5):
-    """The loader's tensors equal gguf's own reader and dequantizer, for float and block
-    types alike; Q5_0/Q5_1, which the fast tensor table cannot size, take gguf's reader."""
+    """The loader's tensors equal gguf's own reader and dequantizer: float types as values,
+    block types as the stored blocks (dequantized here to compare); Q5_0/Q5_1, which the
+    fast tensor table cannot size, take gguf's reader."""
     from gguf import GGMLQuantizationType as T
     from gguf.quants import dequantize, quantize
 
+    from cpullm.model_executor.layers.quantization.gguf import RawBlocks
+    from cpullm.model_executor.layers.quantization.gguf_blocks import (
+        dequantize_split,
+        split_blocks,
+    )
     from cpullm.model_executor.loader.gguf_loader import hf_name, iterate_gguf
 
     rng = np.random.default_rng(0)
@@ -133,5 +139,11 @@ def test_tensors_read_as_gguf_reads_them(tmp_path, with_q5):
     for tensor in reader.tensors:
         expected = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         assert tensor.tensor_type == types[tensor.name]
-        assert got[hf_name(tensor.name)].dtype == torch.float32
-        assert np.array_equal(got[hf_name(tensor.name)].numpy(), expected), tensor.name
+        value = got[hf_name(tensor.name)]
+        if isinstance(value, RawBlocks):
+            assert value.qtype == tensor.tensor_type and value.shape == expected.shape
+            value = dequantize_split(split_blocks(value.qtype, value.raw, value.shape[-1]))
+        else:
+            assert value.dtype == torch.float32 and tensor.tensor_type in (T.F32, T.F16, T.BF16)
+            value = value.numpy()
+        assert np.array_equal(value, expected), tensor.name

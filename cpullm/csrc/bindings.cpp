@@ -14,6 +14,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_softmax_bf16", &cpullm::prefill_softmax_bf16,
         "causal softmax of prompt-chunk attention scores, in place");
 #endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  m.def("quant_gemm", &cpullm::quant_gemm,
+        "x @ w.T with w kept quantized, on int8 dot products of x quantized per block");
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+  m.def("quant_gemm_bf16", &cpullm::quant_gemm_bf16,
+        "x @ w.T with w kept quantized, dequantized 32 rows at a time into the bf16 GEMM");
+#endif
   m.def("rotary_embedding", &cpullm::rotary_embedding, "rotate-half rotary embedding, in place");
 #if defined(__AVX512F__)
   m.def("sample_from_logits", &cpullm::sample_from_logits, "one inverse-CDF draw per row of logits");

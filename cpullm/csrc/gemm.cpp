@@ -1,15 +1,10 @@
 // The bfloat16 GEMM on weights packed in 32-column panels.
+#include "gemm_tiles.h"
 #include "ops.h"
-#include "vec.h"
-
-#include <array>
-#include <utility>
 
 namespace cpullm {
 
 #if defined(__AVX512BF16__)
-namespace {
-
 // bfloat16 x @ W.T for any number of rows, with W packed once into panels of 32 output
 // columns: panels[p][kk][c][j] = W[32p + c][2kk + j]. One 128-byte row of a panel holds the
 // (k, k+1) pairs of 32 columns, what two dpbf16 instructions multiply with a broadcast pair
@@ -21,61 +16,6 @@ namespace {
 // With silu_mul, each panel holds 16 gate columns then the 16 matching up columns (the
 // caller interleaves a merged gate-up weight so), and the store writes
 // silu(gate) * up, rounded where silu_and_mul_bf16 rounds, into an output half as wide.
-constexpr int kGemmRows = 12;
-constexpr int64_t kGemmBlockRows = 264;  // rows of x a thread keeps in L2 across its panels
-
-template <int MR, bool PREFETCH, bool SILU_MUL>
-void gemm_tile(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t k2,
-               const c10::BFloat16* bias, c10::BFloat16* out, int64_t ldo, const char* next) {
-  __m512 acc[MR][2];
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const int32_t* xp = reinterpret_cast<const int32_t*>(x);  // (k, k+1) pairs
-  const int64_t ldx2 = ldx / 2;
-  for (int64_t kk = 0; kk < k2; ++kk) {
-    if (PREFETCH) {
-      _mm_prefetch(next + kk * 128, _MM_HINT_T1);
-      _mm_prefetch(next + kk * 128 + 64, _MM_HINT_T1);
-    }
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + kk * 64);
-    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + kk * 64 + 32);
-    for (int r = 0; r < MR; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(xp[r * ldx2 + kk]);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
-    }
-  }
-  __m512 bias0 = _mm512_setzero_ps(), bias1 = _mm512_setzero_ps();
-  if (bias != nullptr) {
-    bias0 = bf16x16_load(bias);
-    bias1 = bf16x16_load(bias + 16);
-  }
-  for (int r = 0; r < MR; ++r) {
-    if (SILU_MUL) {
-      const __m512 gate = bf16_round(_mm512_add_ps(acc[r][0], bias0));
-      const __m512 up = bf16_round(_mm512_add_ps(acc[r][1], bias1));
-      const __m512 act = bf16_round(_mm512_div_ps(
-          gate, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate)))));
-      bf16x16_store(out + r * ldo, _mm512_mul_ps(act, up));
-    } else {
-      bf16x16_store(out + r * ldo, _mm512_add_ps(acc[r][0], bias0));
-      bf16x16_store(out + r * ldo + 16, _mm512_add_ps(acc[r][1], bias1));
-    }
-  }
-}
-
-using GemmTile = void (*)(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t,
-                          const c10::BFloat16*, c10::BFloat16*, int64_t, const char*);
-using GemmTiles = std::array<GemmTile, kGemmRows>;
-
-// tiles<PREFETCH, SILU_MUL>[rows - 1] computes a tile of that many rows.
-template <bool PREFETCH, bool SILU_MUL, int... MR>
-constexpr GemmTiles gemm_tiles(std::integer_sequence<int, MR...>) {
-  return GemmTiles{&gemm_tile<MR + 1, PREFETCH, SILU_MUL>...};
-}
-
-
-}  // namespace
-
 void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias,
                bool silu_mul) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16 &&

@@ -1,6 +1,7 @@
 // The kernels cpullm's Python side calls (bound in bindings.cpp), one file per family:
-// attention.cpp, gemm.cpp, pointwise.cpp (rotary, RMSNorm, SiLU-mul), sampling.cpp,
-// threads.cpp. Kernels that need an instruction set exist only where it is compiled in.
+// attention.cpp, gemm.cpp, quant_gemm.cpp, pointwise.cpp (rotary, RMSNorm, SiLU-mul),
+// sampling.cpp, threads.cpp. Kernels that need an instruction set exist only where it is
+// compiled in.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -29,6 +30,18 @@ void silu_and_mul_bf16(at::Tensor out, at::Tensor x);
 // gemm.cpp
 void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias,
                bool silu_mul);
+#endif
+
+// quant_gemm.cpp: x @ W.T with W kept quantized (u, scales, mins or a zero point)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+void quant_gemm(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
+                c10::optional<at::Tensor> mins, int64_t bits, int64_t block, int64_t zero,
+                c10::optional<at::Tensor> bias);
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+void quant_gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
+                     c10::optional<at::Tensor> mins, int64_t bits, int64_t block, int64_t zero,
+                     c10::optional<at::Tensor> bias);
 #endif
 
 // sampling.cpp

@@ -101,36 +101,9 @@ inline void softmax(float* row, int64_t n) {
   for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_loadu_ps(row + i), inv));
   for (; i < n; ++i) row[i] *= 1.f / sum;
 }
-#else
-inline float dot(const float* a, const float* b, int64_t n) {
-  float sum = 0.f;
-  for (int64_t d = 0; d < n; ++d) sum += a[d] * b[d];
-  return sum;
-}
-
-inline void axpy(float* y, float alpha, const float* x, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) y[d] += alpha * x[d];
-}
-
-inline void softmax(float* row, int64_t n) {
-  const float mx = *std::max_element(row, row + n);
-  float sum = 0.f;
-  for (int64_t i = 0; i < n; ++i) { row[i] = std::exp(row[i] - mx); sum += row[i]; }
-  for (int64_t i = 0; i < n; ++i) row[i] *= 1.f / sum;
-}
-#endif
-
-#if defined(__AVX512BF16__)
-// 16 bfloat16 <-> 16 float32; the narrowing rounds to nearest even, as torch does.
+// 16 bfloat16 -> 16 float32 (bfloat16 is the upper half of a float32).
 inline __m512 bf16x16_load(const c10::BFloat16* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline void bf16x16_store(c10::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
-}
-inline __m512 bf16_round(__m512 v) {  // float32 -> nearest bfloat16 -> float32
-  __m256i raw = (__m256i)_mm512_cvtneps_pbh(v);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
@@ -151,6 +124,35 @@ inline __m512 reduce16(const __m512* v) {
   const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
                                  _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(z, w, 0x88), _mm512_shuffle_f32x4(z, w, 0xDD));
+}
+
+#else
+inline float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.f;
+  for (int64_t d = 0; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+inline void axpy(float* y, float alpha, const float* x, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) y[d] += alpha * x[d];
+}
+
+inline void softmax(float* row, int64_t n) {
+  const float mx = *std::max_element(row, row + n);
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) { row[i] = std::exp(row[i] - mx); sum += row[i]; }
+  for (int64_t i = 0; i < n; ++i) row[i] *= 1.f / sum;
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// 16 float32 -> 16 bfloat16, rounded to nearest even, as torch does.
+inline void bf16x16_store(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline __m512 bf16_round(__m512 v) {  // float32 -> nearest bfloat16 -> float32
+  __m256i raw = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
 // How far ahead (in tokens) the paged loops prefetch: the loads of one token depend on

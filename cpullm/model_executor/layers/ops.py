@@ -30,9 +30,9 @@ from cpullm.platform.cpu import cpu_info
 logger = init_logger(__name__)
 
 _CSRC = os.path.normpath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "csrc"))
-_SOURCES = ("attention.cpp", "gemm.cpp", "pointwise.cpp", "sampling.cpp", "threads.cpp",
-            "bindings.cpp")
-_HEADERS = ("ops.h", "vec.h")
+_SOURCES = ("attention.cpp", "gemm.cpp", "quant_gemm.cpp", "pointwise.cpp", "sampling.cpp",
+            "threads.cpp", "bindings.cpp")
+_HEADERS = ("gemm_tiles.h", "ops.h", "vec.h")
 
 Kernel = Callable[..., Any]
 
@@ -48,6 +48,8 @@ class KernelTable:
     silu_and_mul_bf16: Kernel | None
     gemm_bf16: Kernel | None
     prefill_softmax_bf16: Kernel | None
+    quant_gemm: Kernel | None  # AVX-512 VNNI
+    quant_gemm_bf16: Kernel | None  # AVX-512 VNNI and BF16
     sample_from_logits: Kernel | None  # AVX-512
     module: ModuleType = field(repr=False, compare=False)  # the extension itself
 

@@ -12,6 +12,7 @@ from cpullm.config import ModelConfig
 from cpullm.logger import init_logger
 from cpullm.model_executor.layers.linear import LinearBase
 from cpullm.model_executor.layers.ops import KernelTable
+from cpullm.model_executor.layers.quantization.gguf import GGUFConfig
 from cpullm.model_executor.loader.gguf_loader import iterate_gguf
 from cpullm.model_executor.loader.safetensors_loader import iterate_safetensors
 from cpullm.model_executor.models import get_model_class
@@ -25,27 +26,41 @@ def get_model(config: ModelConfig, ops: KernelTable | None) -> nn.Module:
     start = time.perf_counter()
     source = config.source
     logger.info("Loading the weights from %s%s", source.gguf_file or source.directory,
-                " (GGUF tensors dequantized to the compute dtype)" if source.gguf_file else "")
+                " (GGUF blocks kept quantized)" if source.gguf_file else "")
     model_class = get_model_class(config.architecture)
-    model = model_class(config.hf_config, config.max_model_len, config.dtype, ops)
+    quant_config = GGUFConfig() if config.quantization == "gguf" else None
+    model = model_class(config.hf_config, config.max_model_len, config.dtype, ops, quant_config)
     if source.gguf_path is not None:
         weights = iterate_gguf(source.gguf_path, config.num_heads, config.num_kv_heads)
     else:
         weights = iterate_safetensors(source.directory)
     with torch.no_grad():
         model.load_weights(weights)  # type: ignore[operator]
-        num_params = sum(p.numel() for p in model.parameters())  # before any repacking
         for module in model.modules():
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading(ops)
     model.eval()
     _log_gemm_paths(model, config.dtype)
-    logger.info("Loaded %s (%s, %.1fM parameters, %s, %s) in %.2f s", config.architecture,
-                source.gguf_file or source.directory, num_params / 1e6,
+    logger.info("Loaded %s (%s, %.0f MB of weights, %s, %s) in %.2f s", config.architecture,
+                source.gguf_file or source.directory, weight_bytes(model) / 1e6,
                 str(config.dtype).removeprefix("torch."),
                 "compiled kernels" if ops is not None else "eager torch ops",
                 time.perf_counter() - start)
     return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """The memory the model's weights take, as loaded (packed copies and quantized blocks
+    included; a tensor shared by two modules counted once)."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    for module in model.modules():  # the packed copies of the dense GEMMs
+        gemms = [getattr(module, "gemm", None)] + [s.gemm for s in getattr(module, "segments", [])]
+        for gemm in gemms:
+            if gemm is not None:
+                for t in (gemm.panels, gemm.panel_bias, gemm.onednn, gemm.bias):
+                    if t is not None:
+                        tensors[id(t)] = t
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _log_gemm_paths(model: nn.Module, dtype: torch.dtype) -> None:

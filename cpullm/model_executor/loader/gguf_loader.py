@@ -1,7 +1,9 @@
-"""Tensors of a GGUF file under Hugging Face names, dequantized to float32.
+"""Tensors of a GGUF file under Hugging Face names: float tensors as float32, block types as
+they are stored (``RawBlocks``), for the layers to keep quantized.
 
-llama.cpp stores Llama's q/k projections with the rotary halves interleaved; they are put
-back in Hugging Face's rotate-half order here. Qwen GGUF files are stored unpermuted.
+llama.cpp stores Llama's q/k projections with the rotary halves interleaved; their rows are
+put back in Hugging Face's rotate-half order here (a row's blocks move with it). Qwen GGUF
+files are stored unpermuted.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
+
+from cpullm.model_executor.layers.quantization.gguf import RawBlocks
+from cpullm.model_executor.layers.quantization.gguf_blocks import KEPT_TYPES
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -47,38 +51,56 @@ def hf_name(gguf_name: str) -> str:
 
 
 def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's per-head interleaving of the rotary halves."""
+    """Undo llama.cpp's per-head interleaving of the rotary halves: a reordering of rows
+    (of values, or of a row's blocks)."""
     rows = weight.shape[0]
     w = weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
     return w.swapaxes(1, 2).reshape(weight.shape)
 
 
 def iterate_gguf(path: str, num_heads: int, num_kv_heads: int
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the file, dequantized to float32, under its Hugging Face name."""
+                 ) -> Iterator[tuple[str, torch.Tensor | RawBlocks]]:
+    """Every tensor of the file under its Hugging Face name: float types as float32
+    tensors, block types as ``RawBlocks``. A type cpullm cannot run is refused by name."""
     architecture, tensors = _tensors(path)
-    for gguf_name, array in tensors:
+    for gguf_name, qtype, array, shape in tensors:
         name = hf_name(gguf_name)
+        if qtype not in _FLOAT_TYPES and qtype not in KEPT_TYPES:
+            raise ValueError(f"GGUF tensor {gguf_name} has type {qtype.name}, which cpullm "
+                             f"cannot run; supported: "
+                             f"{', '.join(t.name for t in (*_FLOAT_TYPES, *KEPT_TYPES))}")
         if architecture in _PERMUTED_ARCHITECTURES:
             if name.endswith("q_proj.weight"):
                 array = _unpermute(array, num_heads)
             elif name.endswith("k_proj.weight"):
                 array = _unpermute(array, num_kv_heads)
-        # A writable array: torch refuses read-only memory (the file is memory-mapped).
-        array = np.array(array, dtype=np.float32, copy=not array.flags.writeable)
-        yield name, torch.from_numpy(array)
+        if qtype in _FLOAT_TYPES:
+            array = _FLOAT_TYPES[qtype](array).reshape(shape)
+            # A writable array: torch refuses read-only memory (the file is memory-mapped).
+            array = np.array(array, dtype=np.float32, copy=not array.flags.writeable)
+            yield name, torch.from_numpy(array)
+        else:
+            yield name, RawBlocks(qtype, array, shape)
 
 
-# ggml's float types, read as they are; every other type is blocks that gguf dequantizes
-_FLOAT_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+def _bf16_to_f32(raw: np.ndarray) -> np.ndarray:
+    return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
-def _tensors(path: str) -> tuple[str, Iterator[tuple[str, np.ndarray]]]:
-    """The file's architecture, and its tensors' values one by one (torch's shape order),
-    read from the memory map as they are used. The tensor table comes from transformers'
-    fast GGUF reader: gguf's own reader first walks every metadata value, the vocabulary
-    included (1.7 of the 2.4 s the default model took to load). Files with a block type
-    that reader cannot size (Q5_0, Q5_1, ...) take gguf's reader."""
+# ggml's float types, read as values (of the raw bytes)
+_FLOAT_TYPES = {GGMLQuantizationType.F32: lambda raw: raw.view(np.float32),
+                GGMLQuantizationType.F16: lambda raw: raw.view(np.float16),
+                GGMLQuantizationType.BF16: _bf16_to_f32}
+
+
+def _tensors(path: str) -> tuple[str, Iterator[tuple[str, GGMLQuantizationType, np.ndarray,
+                                                     tuple[int, ...]]]]:
+    """The file's architecture, and its tensors one by one as (name, type, raw bytes
+    [rows, bytes per row], shape in torch's order), read from the memory map as they are
+    used. The tensor table comes from transformers' fast GGUF reader: gguf's own reader
+    first walks every metadata value, the vocabulary included (1.7 of the 2.4 s the
+    default model took to load). Files with a block type that reader cannot size (Q5_0,
+    Q5_1, ...) take gguf's reader."""
     from transformers.integrations.gguf.reader import GgufHeader, load_gguf_state_dict
 
     try:
@@ -87,15 +109,15 @@ def _tensors(path: str) -> tuple[str, Iterator[tuple[str, np.ndarray]]]:
         reader = GGUFReader(path)
         field = reader.fields["general.architecture"]
         return bytes(field.parts[field.data[0]]).decode(), (
-            (t.name, dequantize(t.data, t.tensor_type)) for t in reader.tensors)
+            (t.name, GGMLQuantizationType(t.tensor_type), _rows(np.asarray(t.data), t.shape[::-1]),
+             tuple(int(d) for d in t.shape[::-1])) for t in reader.tensors)
     raw = load_gguf_state_dict(header)
+    return header.architecture, (
+        (t.name, GGMLQuantizationType(t.ggml_type), _rows(np.asarray(raw[t.name].data), t.shape),
+         tuple(t.shape)) for t in header.tensors)
 
-    def values(name: str, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
-        data, qtype = np.asarray(raw[name].data), GGMLQuantizationType(ggml_type)
-        if qtype in _FLOAT_TYPES:
-            return data.view(_FLOAT_TYPES[qtype]).reshape(shape)
-        # rows of blocks, [..., bytes per row] -> [..., elements per row]
-        return dequantize(data.reshape(*shape[:-1], -1), qtype).reshape(shape)
 
-    return header.architecture, ((t.name, values(t.name, t.ggml_type, t.shape))
-                                 for t in header.tensors)
+def _rows(data: np.ndarray, shape) -> np.ndarray:
+    """A tensor's bytes as [rows, bytes per row] (rows: every dimension but the last)."""
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    return data.view(np.uint8).reshape(rows, -1)

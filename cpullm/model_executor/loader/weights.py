@@ -30,7 +30,7 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     for ckpt_name, tensor in weights:
         if ckpt_name in skip or ckpt_name.endswith(_IGNORED_SUFFIXES):
             continue
-        if not tensor.is_floating_point():
+        if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point():
             raise ValueError(f"checkpoint tensor {ckpt_name} has dtype {tensor.dtype}; "
                              "a floating-point tensor is expected")
         name, shard = ckpt_name, None

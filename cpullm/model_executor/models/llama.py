@@ -107,7 +107,8 @@ class LlamaModel(nn.Module):
         head_dim = (getattr(config, "head_dim", None)
                     or config.hidden_size // config.num_attention_heads)
         rotary = RotaryEmbedding(config, head_dim, max_position, ops)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype,
+                                           quant_config)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, flags, dtype, ops,
                                                       quant_config)
                                     for _ in range(config.num_hidden_layers))
@@ -144,10 +145,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, max_position, self.layer_flags(config), dtype, ops,
                                 quant_config)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:

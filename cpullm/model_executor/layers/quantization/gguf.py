@@ -1,0 +1,261 @@
+"""GGUF weights kept quantized: the ``gguf`` quantization config, its linear method and the
+weight object behind it (also used by the embedding table and the LM head).
+
+A GGUF file's tensors reach the layers as ``RawBlocks`` (the blocks as stored) or, for the
+float types, as plain tensors. A linear layer collects its shards (q, k, v; gate, up),
+each of its own type — a Q4_K_M file mixes Q4_K, Q6_K and others even inside one merged
+layer — and after loading keeps them as segments of output rows: consecutive shards of one
+``BlockFormat`` become one ``QuantizedWeight``, float shards a dense weight. A matmul runs
+each segment into its columns of the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from cpullm.model_executor.layers.ops import KernelTable
+from cpullm.model_executor.layers.quantization import LinearMethod, QuantizationConfig
+from cpullm.model_executor.layers.quantization.dense import PackedGemm
+from cpullm.model_executor.layers.quantization.gguf_blocks import (
+    BlockFormat,
+    SplitBlocks,
+    split_blocks,
+    unpack,
+)
+
+if TYPE_CHECKING:
+    from cpullm.model_executor.layers.linear import LinearBase
+
+# Up to this many rows of x, the integer dot products on the blocks as stored; above, the
+# bfloat16 GEMM on panels dequantized 32 rows at a time (see docs/quantization.md).
+VNNI_MAX_ROWS = 16
+
+
+@dataclass
+class RawBlocks:
+    """One GGUF tensor as stored: ``raw`` [rows, bytes per row] of ``qtype`` blocks, for a
+    weight of ``shape`` (torch order, [rows, k])."""
+
+    qtype: GGMLQuantizationType
+    raw: np.ndarray
+    shape: tuple[int, ...]
+
+
+class QuantizedWeight(nn.Module):
+    """A weight [n, k] in one ``BlockFormat``: ``data`` [n, k * bits / 8] (uint8),
+    ``scales`` and ``mins`` [n, k / block] (mins absent for a format with a zero point)."""
+
+    def __init__(self, fmt: BlockFormat, data: torch.Tensor, scales: torch.Tensor,
+                 mins: torch.Tensor | None, k: int, qtype: str) -> None:
+        super().__init__()
+        self.fmt, self.k, self.qtype = fmt, k, qtype
+        self.register_buffer("data", data)
+        self.register_buffer("scales", scales)
+        self.register_buffer("mins", mins)
+
+    @classmethod
+    def from_split(cls, split: SplitBlocks, qtype: str) -> QuantizedWeight:
+        return cls(split.format(), torch.from_numpy(np.ascontiguousarray(split.packed())),
+                   torch.from_numpy(split.scales),
+                   None if split.mins is None else torch.from_numpy(split.mins),
+                   split.u.shape[1], qtype)
+
+    @classmethod
+    def from_blocks(cls, blocks: RawBlocks) -> QuantizedWeight:
+        return cls.from_split(split_blocks(blocks.qtype, blocks.raw, blocks.shape[-1]),
+                              blocks.qtype.name)
+
+    @classmethod
+    def cat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Rows of several weights of one format, stacked."""
+        first = parts[0]
+        assert all(p.fmt == first.fmt and p.k == first.k for p in parts)
+        if len(parts) == 1:
+            return first
+        mins = None if first.mins is None else torch.cat([p.mins for p in parts])
+        return cls(first.fmt, torch.cat([p.data for p in parts]),
+                   torch.cat([p.scales for p in parts]), mins, first.k,
+                   "+".join(dict.fromkeys(p.qtype for p in parts)))
+
+    @property
+    def n(self) -> int:
+        return self.data.shape[0]
+
+    def dequantize(self, dtype: torch.dtype, index: torch.Tensor | slice | None = None
+                   ) -> torch.Tensor:
+        """The weight (or its rows ``index``) in ``dtype``: [rows, k]."""
+        data, scales, mins = self.data, self.scales, self.mins
+        if index is not None:
+            data, scales = data[index], scales[index]
+            mins = None if mins is None else mins[index]
+        rows, k, block = data.shape[0], self.k, self.fmt.block
+        u = torch.from_numpy(unpack(data.numpy(), self.fmt.bits, block, k))
+        u = u.view(rows, k // block, block).float()  # [rows, blocks, block]
+        s = scales.float()[..., None]
+        if self.fmt.zero is not None:
+            w = (u - float(self.fmt.zero)) * s
+        else:
+            assert mins is not None
+            w = s * u + mins.float()[..., None]
+        return w.view(rows, k).to(dtype)
+
+    @staticmethod
+    def runs_on_kernel(ops: KernelTable | None, dtype: torch.dtype) -> bool:
+        """Whether cpullm's kernel multiplies (bfloat16, AVX-512 VNNI); else torch on
+        weights dequantized a slice at a time."""
+        return ops is not None and ops.quant_gemm is not None and dtype == torch.bfloat16
+
+    def matmul_into(self, out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
+                    ops: KernelTable | None, use_kernel: bool | None = None,
+                    force_panels: bool = False) -> None:
+        """out [rows, n] = x [rows, k] @ W.T (+ bias); ``use_kernel`` forces the choice
+        (tests)."""
+        if use_kernel if use_kernel is not None else self.runs_on_kernel(ops, x.dtype):
+            assert ops is not None and ops.quant_gemm is not None
+            if x.stride(-1) != 1:
+                x = x.contiguous()
+            kernel = ops.quant_gemm if x.shape[0] <= VNNI_MAX_ROWS or ops.quant_gemm_bf16 is None \
+                or self.n % 32 else ops.quant_gemm_bf16
+            if force_panels:
+                kernel = ops.quant_gemm_bf16
+            kernel(out, x, self.data, self.scales, self.mins, self.fmt.bits, self.fmt.block,
+                   self.fmt.zero or 0, bias)
+            return
+        # Dequantize a slice of rows at a time: never the whole weight in floats at once.
+        step = max(32, (1 << 22) // self.k)
+        for start in range(0, self.n, step):
+            end = min(self.n, start + step)
+            w = self.dequantize(x.dtype, slice(start, end))
+            out[:, start:end] = F.linear(x, w, None if bias is None else bias[start:end])
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, ops: KernelTable | None
+               ) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        out = rows.new_empty(rows.shape[0], self.n)
+        self.matmul_into(out, rows, bias, ops)
+        return out.view(*x.shape[:-1], self.n)
+
+    def describe(self) -> str:
+        return f"GGUF {self.qtype} kept as {self.fmt.name}"
+
+
+class GGUFConfig(QuantizationConfig):
+    """GGUF files: every linear layer, the embedding table and the LM head keep the file's
+    blocks (see ``GGUFLinearMethod``)."""
+
+    name = "gguf"
+
+    def linear_method(self, layer: LinearBase) -> LinearMethod:
+        return GGUFLinearMethod()
+
+
+@dataclass
+class _Segment:
+    """Output rows [start, end) of a layer, and the weight that computes them."""
+
+    start: int
+    end: int
+    quantized: QuantizedWeight | None
+    dense: torch.Tensor | None = None
+    gemm: PackedGemm | None = None
+
+
+class GGUFLinearMethod(LinearMethod):
+    """A linear layer whose shards come from a GGUF file, each kept in its own type."""
+
+    def create_weights(self, layer: LinearBase, bias: bool, dtype: torch.dtype | None) -> None:
+        # Filled shard by shard by ``load``; no parameter holds the weight until then.
+        layer.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        layer.weight.weight_loader = lambda param, loaded, shard_id=None: self.load(  # type: ignore[attr-defined]
+            layer, loaded, shard_id)
+        layer.shards = {}
+        layer.segments = []
+        layer.compute_dtype = dtype
+        if bias:
+            layer.bias = nn.Parameter(torch.empty(layer.output_size, dtype=dtype),
+                                      requires_grad=False)
+            layer.bias.weight_loader = layer.weight_loader  # type: ignore[attr-defined]
+        else:
+            layer.register_parameter("bias", None)
+
+    def load(self, layer: LinearBase, loaded: RawBlocks | torch.Tensor,
+             shard_id: str | int | None) -> None:
+        start, end = layer.shard_range(shard_id)
+        shape = tuple(loaded.shape)
+        if shape != (end - start, layer.input_size):
+            raise ValueError(f"shape mismatch for shard {shard_id!r}: checkpoint {shape}, "
+                             f"model {(end - start, layer.input_size)}")
+        if isinstance(loaded, RawBlocks):
+            layer.shards[start] = (end, QuantizedWeight.from_blocks(loaded))
+        else:
+            layer.shards[start] = (end, loaded.to(layer.compute_dtype))
+
+    def process_weights_after_loading(self, layer: LinearBase, ops: KernelTable | None) -> None:
+        # Consecutive shards of one kind (one block format, or float) make one segment.
+        segments: list[_Segment] = []
+        for start, (end, weight) in sorted(layer.shards.items()):
+            kind = weight.fmt if isinstance(weight, QuantizedWeight) else "dense"
+            last = segments[-1] if segments else None
+            last_kind = None if last is None else (last.quantized.fmt if last.quantized is not None
+                                                   else "dense")
+            if last is not None and last_kind == kind and last.end == start:
+                if isinstance(weight, QuantizedWeight):
+                    assert last.quantized is not None
+                    last.quantized = QuantizedWeight.cat([last.quantized, weight])
+                else:
+                    assert last.dense is not None
+                    last.dense = torch.cat([last.dense, weight])
+                last.end = end
+            elif isinstance(weight, QuantizedWeight):
+                segments.append(_Segment(start, end, weight))
+            else:
+                segments.append(_Segment(start, end, None, weight))
+        layer.shards = {}
+        bias = None if layer.bias is None else layer.bias.data
+        for i, segment in enumerate(segments):
+            if segment.dense is not None:
+                seg_bias = None if bias is None else bias[segment.start:segment.end]
+                segment.gemm = PackedGemm.create(segment.dense, seg_bias, ops)
+            elif segment.quantized is not None:
+                layer.add_module(f"quantized_{i}", segment.quantized)
+        layer.segments = segments
+        layer.ops = ops
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        segments, bias = layer.segments, layer.bias
+        out = rows.new_empty(rows.shape[0], layer.output_size)
+        for segment in segments:
+            seg_bias = None if bias is None else bias[segment.start:segment.end]
+            target = out[:, segment.start:segment.end]
+            if segment.quantized is not None:
+                segment.quantized.matmul_into(target, rows, seg_bias, layer.ops)
+            elif segment.gemm is not None:
+                target.copy_(segment.gemm(rows))
+            else:
+                assert segment.dense is not None
+                target.copy_(F.linear(rows, segment.dense, seg_bias))
+        out = out.view(*x.shape[:-1], layer.output_size)
+        return layer.act(out) if layer.act is not None else out
+
+    def describe(self, layer: LinearBase) -> str:
+        parts = []
+        for segment in layer.segments:
+            if segment.quantized is not None:
+                q = segment.quantized
+                parts.append(f"{q.describe()}: " + (
+                    "cpullm int8 dot products (AVX-512 VNNI)"
+                    if q.runs_on_kernel(layer.ops, layer.compute_dtype)
+                    else "dequantized a slice at a time, ATen linear"))
+            elif segment.gemm is not None:
+                parts.append(segment.gemm.describe())
+            else:
+                parts.append("ATen linear")
+        return "; ".join(parts)

@@ -1,0 +1,226 @@
+"""GGUF weights kept quantized: the block types taken apart exactly as gguf's dequantizer
+reads them, every kernel against a float reference on the dequantized weights, and a model
+file mixing Q4_K, Q6_K, Q5_0 and Q8_0 tensors end to end against transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import dequantize, quantize
+
+from cpullm.model_executor.layers.ops import load_ops
+from cpullm.model_executor.layers.quantization.gguf import QuantizedWeight, RawBlocks
+from cpullm.model_executor.layers.quantization.gguf_blocks import (
+    KEPT_TYPES,
+    block_bytes,
+    dequantize_split,
+    pack,
+    split_blocks,
+    unpack,
+)
+from cpullm.transformers_utils import resolve_model
+
+LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
+# the float16 fields (d, dmin) of each K-quant super-block, by byte offset
+_K_HALVES = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+def random_blocks(qtype: T, rows: int, k: int, rng: np.random.Generator,
+                  scale: float = 0.01) -> np.ndarray:
+    """[rows, bytes] of ``qtype``: legacy types quantized by gguf from normal values,
+    K-quants packed from the published layouts (random quants and sub-scales, float16
+    super-scales of about ``scale``)."""
+    if qtype in LEGACY:
+        return quantize((rng.standard_normal((rows, k)) * scale * 10).astype(np.float32), qtype)
+    per_block, nbytes = block_bytes(qtype)
+    raw = rng.integers(0, 256, size=(rows * k // per_block, nbytes), dtype=np.uint8)
+    for offset in _K_HALVES[qtype]:
+        halves = (rng.standard_normal((raw.shape[0], 1)) * scale).astype(np.float16)
+        raw[:, offset:offset + 2] = halves.view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def width(qtype: T) -> int:
+    """A row length with a short last group of blocks, where the type allows one."""
+    return 864 if qtype in LEGACY else 768  # 27 blocks of 32; K-quants: whole super-blocks
+
+
+@pytest.mark.parametrize("qtype", KEPT_TYPES, ids=lambda t: t.name)
+def test_blocks_split_as_gguf_dequantizes(qtype):
+    rng = np.random.default_rng(0)
+    raw = random_blocks(qtype, 6, width(qtype), rng)
+    split = split_blocks(qtype, raw, width(qtype))
+    assert np.array_equal(dequantize_split(split), dequantize(raw, qtype))
+    assert int(split.u.max()) <= split.max_u
+
+
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_unpack_round_trip(bits, block):
+    rng = np.random.default_rng(1)
+    for blocks in (1, 2, 3, 7, 16, 18, 27, 48):  # every kind of last group
+        u = rng.integers(0, 16 if bits == 4 else 256, size=(3, blocks * block), dtype=np.uint8)
+        packed = pack(u, bits, block)
+        assert packed.shape[1] <= blocks * block * bits // 8 + 32 * (bits == 4)
+        assert np.array_equal(unpack(packed, bits, block, blocks * block), u)
+
+
+def _kernels():
+    ops = load_ops()
+    found = []
+    if ops is not None and ops.quant_gemm is not None:
+        found.append("int8 dot products")
+    if ops is not None and ops.quant_gemm_bf16 is not None:
+        found.append("bf16 panels")
+    return ops, found
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 17, 600])
+@pytest.mark.parametrize("qtype", KEPT_TYPES, ids=lambda t: t.name)
+def test_kernels_match_dequantized_reference(qtype, rows):
+    """Every kernel this machine can run, forced, against x @ W.T in float32 on the
+    dequantized weights (x in bfloat16, as the kernels get it)."""
+    ops, kernels = _kernels()
+    rng = np.random.default_rng(2)
+    n, k = 96, width(qtype)
+    weight = QuantizedWeight.from_blocks(RawBlocks(qtype, random_blocks(qtype, n, k, rng), (n, k)))
+    reference_w = torch.from_numpy(dequantize_split(split_blocks(
+        qtype, random_blocks(qtype, n, k, np.random.default_rng(2)), k)))
+    assert torch.equal(weight.dequantize(torch.float32), reference_w)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    expected = x.float() @ reference_w.T + bias.float()
+    for kernel in ["torch", *kernels]:
+        out = torch.empty(rows, n, dtype=torch.bfloat16)
+        weight.matmul_into(out, x, bias, ops, use_kernel=kernel != "torch",
+                           force_panels=kernel == "bf16 panels")
+        error = (out.float() - expected).norm() / expected.norm()
+        # bf16 output rounding, and the int8 quantization of x for the dot products
+        assert error < (0.01 if kernel == "int8 dot products" else 0.004), (kernel, error)
+
+
+def test_kernel_writes_into_a_column_slice():
+    """A merged layer's segments write their columns of one output."""
+    ops, kernels = _kernels()
+    if not kernels:
+        pytest.skip("no quantized kernels on this CPU")
+    rng = np.random.default_rng(4)
+    weight = QuantizedWeight.from_blocks(RawBlocks(T.Q4_1, random_blocks(T.Q4_1, 64, 256, rng),
+                                                   (64, 256)))
+    x = torch.randn(3, 256).bfloat16()
+    full = torch.full((3, 100), 7.0, dtype=torch.bfloat16)
+    weight.matmul_into(full[:, 20:84], x, None, ops)
+    assert torch.equal(full[:, :20], torch.full((3, 20), 7.0, dtype=torch.bfloat16))
+    assert torch.equal(full[:, 84:], torch.full((3, 16), 7.0, dtype=torch.bfloat16))
+    alone = torch.empty(3, 64, dtype=torch.bfloat16)
+    weight.matmul_into(alone, x, None, ops)
+    assert torch.equal(full[:, 20:84], alone)
+
+
+# A tiny Llama whose tensors mix the types of a Q4_K_M file: q/k Q4_K and v Q6_K in one
+# merged QKV layer, gate Q4_K and up Q8_0 in one gate-up layer, down Q6_K, o Q5_0, the tied
+# embedding Q8_0, norms F32. (q and k are random, so llama.cpp's row order of them needs no
+# care: both loaders put the stored rows back the same way.)
+MIXED = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q5_0,
+         "ffn_gate": T.Q4_K, "ffn_up": T.Q8_0, "ffn_down": T.Q6_K}
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory) -> Path:
+    reader = GGUFReader(resolve_model(None).gguf_path)
+    path = tmp_path_factory.mktemp("mixed") / "mixed.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    sizes = {"llama.embedding_length": HIDDEN, "llama.feed_forward_length": INTERMEDIATE,
+             "llama.attention.head_count": HEADS, "llama.attention.head_count_kv": KV_HEADS,
+             "llama.block_count": LAYERS, "llama.rope.dimension_count": HIDDEN // HEADS,
+             "llama.context_length": 512}
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = sizes.get(field.name, field.contents())
+        writer.add_key_value(field.name, value, field.types[0],
+                             sub_type=field.types[1] if field.types[0] == GGUFValueType.ARRAY
+                             else None)
+    rng = np.random.default_rng(5)
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    head_dim = HIDDEN // HEADS
+    shapes = {"attn_q": (HEADS * head_dim, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
+              "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HEADS * head_dim),
+              "ffn_gate": (INTERMEDIATE, HIDDEN), "ffn_up": (INTERMEDIATE, HIDDEN),
+              "ffn_down": (HIDDEN, INTERMEDIATE)}
+
+    def add_blocks(name: str, qtype: T, rows: int, k: int, scale: float) -> None:
+        raw = random_blocks(qtype, rows, k, rng, scale)
+        writer.add_tensor(name, raw, raw_dtype=qtype)
+
+    add_blocks("token_embd.weight", T.Q8_0, vocab, HIDDEN, 0.01)
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    for layer in range(LAYERS):
+        for part, qtype in MIXED.items():
+            rows, k = shapes[part]
+            # super-scales of ~3e-4: K-quant weights of ~0.05, like a trained layer's
+            add_blocks(f"blk.{layer}.{part}.weight", qtype, rows, k,
+                       0.01 if qtype in LEGACY else 3e-4)
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{layer}.{norm}.weight",
+                              (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_mixed_types_load_and_match_transformers(mixed_gguf):
+    """The file loads kept quantized (two segments in QKV and in gate-up) and generates
+    what transformers generates from the same file, which dequantizes it, in float32."""
+    from transformers import AutoModelForCausalLM
+
+    from cpullm import LLM, SamplingParams
+    from cpullm.model_executor.layers.linear import LinearBase
+
+    llm = LLM(model=str(mixed_gguf), dtype="float32", max_model_len=256,
+              kv_cache_memory_bytes=1 << 24)
+    model = llm.llm_engine.model_runner.model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert [s.quantized.qtype for s in qkv.segments] == ["Q4_K", "Q6_K"]
+    gate_up = model.model.layers[0].mlp.gate_up_proj
+    assert [s.quantized.qtype for s in gate_up.segments] == ["Q4_K", "Q8_0"]
+    assert all(s.dense is None for m in model.modules() if isinstance(m, LinearBase)
+               for s in m.segments)
+    assert model.model.embed_tokens.quantized.qtype == "Q8_0"
+
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(mixed_gguf.parent), gguf_file=mixed_gguf.name, dtype=torch.float32)
+    reference.generation_config.eos_token_id = None
+    prompts = [[1, 2, 3, 4, 5], [100, 2000, 30000, 7]]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                           use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ids = torch.tensor([prompt])
+        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=16)
+        assert output.outputs[0].token_ids == expected[0, len(prompt):].tolist()
+
+
+def test_unsupported_type_is_refused_by_name(tmp_path):
+    from cpullm.model_executor.loader.gguf_loader import iterate_gguf
+
+    path = tmp_path / "iq.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    per_block, nbytes = block_bytes(T.TQ2_0)
+    raw = np.zeros((4, 256 // per_block * nbytes), dtype=np.uint8)
+    writer.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=T.TQ2_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight has type TQ2_0"):
+        list(iterate_gguf(str(path), num_heads=4, num_kv_heads=2))
