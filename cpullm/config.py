@@ -68,7 +68,12 @@ class ModelConfig:
         return getattr(self.hf_config, "sliding_window", None)
 
     def weight_bytes(self) -> int:
-        """Memory the weights take in the compute dtype (Llama-family layout)."""
+        """Memory the weights take once loaded: a GGUF file's tensors as kept (blocks stay
+        quantized), a folder's in the compute dtype (Llama-family layout)."""
+        if self.quantization == "gguf" and self.source.gguf_path is not None:
+            from cpullm.model_executor.loader.gguf_loader import gguf_weight_bytes
+
+            return gguf_weight_bytes(self.source.gguf_path, self.dtype)
         c = self.hf_config
         hidden, inter = c.hidden_size, c.intermediate_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

@@ -40,7 +40,16 @@ def test_gguf_greedy_matches_transformers(llm_fp32):
 
 
 def test_chat_answers_paris():
+    """In bfloat16 the Q4_1 file runs on its blocks as stored (the quantized kernels)."""
+    from cpullm.model_executor.layers.quantization.gguf import QuantizedWeight
+    from cpullm.model_executor.loader import weight_bytes
+
     llm = LLM(dtype="bfloat16", max_model_len=1024)
+    model = llm.llm_engine.model_runner.model
+    loaded = weight_bytes(model)
+    assert loaded < 130e6  # the file is 95 MB; in bfloat16 the weights take ~270 MB
+    assert abs(llm.llm_engine.config.model.weight_bytes() - loaded) < 0.1 * loaded
+    assert sum(isinstance(m, QuantizedWeight) for m in model.modules()) == 4 * 30 + 1
     output = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=32))[0]
     completion = output.outputs[0]
     assert "Paris" in completion.text

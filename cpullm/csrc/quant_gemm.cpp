@@ -140,7 +140,7 @@ struct Weight {
   float zero;
 };
 
-constexpr int kRows = 4;       // rows of W per tile
+constexpr int kRows = 4;       // rows of W per tile (or 1, at the end of W)
 constexpr int kItemRows = 16;  // rows of W per item: 4 tiles, whose sums reduce together
 constexpr int64_t kTokenBlock = 192;  // tokens whose quantized x a thread keeps in L2
 
@@ -205,19 +205,19 @@ inline void group_dots(const uint8_t* const* wrow, const int8_t* const* xq, cons
   }
 }
 
-// The lane sums of rows [r0, r0 + R) of W with tokens t0 (and t0 + 1 if T == 2) of x, into
+// The lane sums of rows [r0, r0 + R) of W with tokens [t0, t0 + T) of x, added into
 // sums[t * kItemRows + slot + r]: one vector per dot product, its lanes still to be added.
+// The integer sums of a group live in registers (R x T of them: with 4 x 4, enough
+// independent VNNI chains to cover the instruction's latency); the float sums in ``sums``
+// (L1), which they meet once per group.
 template <int BITS, typename S, bool MIN, int R, int T, bool PREFETCH>
 void tile(const Weight& w, const std::vector<Group>& groups, int64_t r0, const QuantizedX& x,
           int64_t t0, __m512* sums, int slot) {
-  // With one token, two chains of sums per row (steps alternate): twice the VNNI
+  // With one token, two chains of sums per row (steps alternate), for more VNNI
   // instructions in flight.
   constexpr int kChains = T == 1 ? 2 : 1;
   const S* scales = static_cast<const S*>(w.scales);
   const S* mins = static_cast<const S*>(w.mins);
-  __m512 acc[R][T];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   const uint8_t* wrow[R];
   for (int r = 0; r < R; ++r) wrow[r] = w.data + (r0 + r) * w.row_bytes;
   const int8_t* xq[T];
@@ -253,33 +253,35 @@ void tile(const Weight& w, const std::vector<Group>& groups, int64_t r0, const Q
                                        : dot[r][t][0];
         __m512 scale = _mm512_mul_ps(s, xs[t]);
         if (g.lanes_per_block > 1) scale = _mm512_permutexvar_ps(spread, scale);
-        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[r][t]);
-        acc[r][t] = _mm512_fmadd_ps(m, xsum[t], acc[r][t]);  // once per block, unspread
+        __m512& acc = sums[t * kItemRows + slot + r];
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale,
+                              _mm512_fmadd_ps(m, xsum[t], acc));  // m: once per block, unspread
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) sums[t * kItemRows + slot + r] = acc[r][t];
 }
+
+constexpr int kTokens = 4;  // tokens of x per tile
 
 using Tile = void (*)(const Weight&, const std::vector<Group>&, int64_t, const QuantizedX&,
                       int64_t, __m512*, int);
 
-template <int BITS, typename S, bool MIN, bool P>
+// [prefetch][rows == 4][tokens == 4]: full tiles, and single rows or tokens for the edges.
+template <int BITS, typename S, bool MIN>
 struct Tiles {
-  static constexpr Tile table[kRows][2] = {  // [rows - 1][tokens - 1]
-      {&tile<BITS, S, MIN, 1, 1, P>, &tile<BITS, S, MIN, 1, 2, P>},
-      {&tile<BITS, S, MIN, 2, 1, P>, &tile<BITS, S, MIN, 2, 2, P>},
-      {&tile<BITS, S, MIN, 3, 1, P>, &tile<BITS, S, MIN, 3, 2, P>},
-      {&tile<BITS, S, MIN, 4, 1, P>, &tile<BITS, S, MIN, 4, 2, P>}};
+  static constexpr Tile table[2][2][2] = {
+      {{&tile<BITS, S, MIN, 1, 1, false>, &tile<BITS, S, MIN, 1, kTokens, false>},
+       {&tile<BITS, S, MIN, kRows, 1, false>, &tile<BITS, S, MIN, kRows, kTokens, false>}},
+      {{&tile<BITS, S, MIN, 1, 1, true>, &tile<BITS, S, MIN, 1, kTokens, true>},
+       {&tile<BITS, S, MIN, kRows, 1, true>, &tile<BITS, S, MIN, kRows, kTokens, true>}}};
 };
 
-using TileTable = const Tile (*)[2];
+using TileTable = const Tile (*)[2][2];
 
-template <int BITS, bool P>
+template <int BITS>
 TileTable pick(bool half, bool min) {
-  if (half) return min ? Tiles<BITS, at::Half, true, P>::table : Tiles<BITS, at::Half, false, P>::table;
-  return min ? Tiles<BITS, float, true, P>::table : Tiles<BITS, float, false, P>::table;
+  if (half) return min ? Tiles<BITS, at::Half, true>::table : Tiles<BITS, at::Half, false>::table;
+  return min ? Tiles<BITS, float, true>::table : Tiles<BITS, float, false>::table;
 }
 
 // 16 float32 -> 16 bfloat16, rounded to nearest even (no BF16 instructions needed).
@@ -337,19 +339,17 @@ void quant_gemm(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales
   const QuantizedX xq = quantize_x(x, block, groups);
   const Weight w{data.data_ptr<uint8_t>(), row_bytes, scales.data_ptr(),
                  mins.has_value() ? mins->data_ptr() : nullptr, k / block, static_cast<float>(zero)};
-  // [prefetch]: the first pass over an item's rows prefetches the next item's
-  const TileTable tiles[2] = {
-      bits == 4 ? pick<4, false>(half, mins.has_value()) : pick<8, false>(half, mins.has_value()),
-      bits == 4 ? pick<4, true>(half, mins.has_value()) : pick<8, true>(half, mins.has_value())};
+  const TileTable tiles = bits == 4 ? pick<4>(half, mins.has_value()) : pick<8>(half, mins.has_value());
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   const int64_t ldo = out.stride(0), items = (n + kItemRows - 1) / kItemRows;
   // Each thread takes a run of 16-row items; for many tokens it walks them a block of
-  // tokens at a time, so that their quantized x stays in L2 while its weights stream past.
-  // The 16 rows' sums for a token are reduced together and stored as one vector.
+  // tokens at a time, so that their quantized x stays in L2 while its weights stream past
+  // (the first pass over an item prefetches the next item's weights). The 16 rows' sums
+  // for a token are reduced together and stored as one vector.
   at::parallel_for(0, items, std::max<int64_t>(1, 16 / std::min<int64_t>(m, 16)),
                    [&](int64_t begin, int64_t end) {
-    __m512 sums[2 * kItemRows];
+    __m512 sums[kTokens * kItemRows];
     for (int64_t tb = 0; tb < m; tb += kTokenBlock) {
       const int64_t te = std::min(m, tb + kTokenBlock);
       for (int64_t item = begin; item < end; ++item) {
@@ -358,12 +358,20 @@ void quant_gemm(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales
         const __m512 b = bp != nullptr ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
                              _mm256_maskz_loadu_epi16(row_mask, bp + r0)), 16))
                                        : _mm512_setzero_ps();
-        for (int64_t t0 = tb; t0 < te; t0 += 2) {
-          const int tokens = static_cast<int>(std::min<int64_t>(2, te - t0));
-          for (int i = 0; i < 2 * kItemRows; ++i) sums[i] = _mm512_setzero_ps();
-          for (int64_t q = 0; q < rows; q += kRows)
-            tiles[t0 == tb][std::min<int64_t>(kRows, rows - q) - 1][tokens - 1](w, groups, r0 + q, xq, t0,
-                                                                     sums, static_cast<int>(q));
+        for (int64_t t0 = tb; t0 < te; t0 += kTokens) {
+          const int tokens = static_cast<int>(std::min<int64_t>(kTokens, te - t0));
+          for (int i = 0; i < kTokens * kItemRows; ++i) sums[i] = _mm512_setzero_ps();
+          for (int64_t q = 0; q < rows; ++q) {  // q: first row of a tile of 4 rows or 1
+            const bool full_rows = rows - q >= kRows;
+            const auto& by_tokens = tiles[t0 == tb][full_rows];
+            if (tokens == kTokens) {
+              by_tokens[1](w, groups, r0 + q, xq, t0, sums, static_cast<int>(q));
+            } else {
+              for (int t = 0; t < tokens; ++t)
+                by_tokens[0](w, groups, r0 + q, xq, t0 + t, sums + t * kItemRows, static_cast<int>(q));
+            }
+            if (full_rows) q += kRows - 1;
+          }
           for (int t = 0; t < tokens; ++t)
             _mm256_mask_storeu_epi16(op + (t0 + t) * ldo + r0, row_mask,
                                      to_bf16(_mm512_add_ps(reduce16(sums + t * kItemRows), b)));
@@ -430,6 +438,16 @@ void dequantize_panel(const Weight& w, int64_t r0, const std::vector<Group>& gro
       const int lanes = g.blocks * g.lanes_per_block;
       const __mmask16 mask = static_cast<__mmask16>((1u << g.blocks) - 1);
       const int shift = __builtin_ctz(static_cast<unsigned>(g.lanes_per_block));
+      // Where dword i of a step's 32 pairs goes (lane i / 2, pair i % 2: weight e of block
+      // b, at pair (b block + e) / 2 of the panel), in step 0; each step is 2 L pairs on.
+      int64_t first_pair[32];
+      for (int i = 0; i < 2 * lanes; ++i) {
+        const int l = i / 2;
+        const int64_t b = g.first_block + l / g.lanes_per_block;
+        const int64_t e = 4 * (l % g.lanes_per_block) + 2 * (i % 2);
+        first_pair[i] = (b * block + e) / 2 * 32;
+      }
+      const int64_t step_pairs = 2 * g.lanes_per_block * 32;
       // Per row and quarter of a step (lanes 4q .. 4q + 3, 4 u each): the scale and the
       // min (or -zero s) of each u's block, the same in every step of the group.
       __m512 s[16][4], m[16][4];
@@ -464,16 +482,11 @@ void dequantize_panel(const Weight& w, int64_t r0, const std::vector<Group>& gro
           pairs[0][c] = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
           pairs[1][c] = (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]);
         }
-        for (int hl = 0; hl < 2; ++hl) {
-          if (8 * hl >= lanes) break;
+        for (int hl = 0; hl < 2 && 8 * hl < lanes; ++hl) {
           transpose16(pairs[hl]);
-          for (int i = 0; i < 16; ++i) {  // dword i: lane 8 hl + i / 2, pair i % 2
-            const int l = 8 * hl + i / 2;
-            if (l >= lanes) break;
-            const int64_t b = g.first_block + l / g.lanes_per_block;
-            const int64_t e = 4 * (j * g.lanes_per_block + l % g.lanes_per_block) + 2 * (i % 2);
-            _mm512_storeu_si512(panel + ((b * block + e) / 2) * 32 + c0, pairs[hl][i]);
-          }
+          const int count = std::min(16, 2 * (lanes - 8 * hl));
+          for (int i = 0; i < count; ++i)
+            _mm512_storeu_si512(panel + first_pair[16 * hl + i] + j * step_pairs + c0, pairs[hl][i]);
         }
       }
     }

@@ -19,6 +19,7 @@ class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None,
                  quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype),
                                    requires_grad=False)
         self.quantized: QuantizedWeight | None = None
@@ -65,6 +66,12 @@ class LMHead(VocabEmbedding):
             self.quantized = table.quantized
         else:
             self.gemm = PackedGemm.create(self.weight.data, None, ops)
+
+    def describe(self) -> str:
+        """Which kernel computes the logits, for the debug log."""
+        if self.quantized is not None:
+            return self.quantized.describe(self.ops, self.weight.dtype)
+        return self.gemm.describe() if self.gemm is not None else "ATen linear"
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:

@@ -10,6 +10,7 @@ from torch import nn
 
 from cpullm.config import ModelConfig
 from cpullm.logger import init_logger
+from cpullm.model_executor.layers.embedding import LMHead
 from cpullm.model_executor.layers.linear import LinearBase
 from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization.gguf import GGUFConfig
@@ -72,3 +73,6 @@ def _log_gemm_paths(model: nn.Module, dtype: torch.dtype) -> None:
             logger.debug("%s: %s [%d -> %d] %s via %s", name, type(module).__name__,
                          module.input_size, module.output_size,
                          str(dtype).removeprefix("torch."), module.method.describe(module))
+        elif isinstance(module, LMHead):
+            logger.debug("%s: LMHead [%d -> %d] %s via %s", name, module.hidden_size,
+                         module.vocab_size, str(dtype).removeprefix("torch."), module.describe())

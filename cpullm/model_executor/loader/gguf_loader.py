@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
 from cpullm.model_executor.layers.quantization.gguf import RawBlocks
-from cpullm.model_executor.layers.quantization.gguf_blocks import KEPT_TYPES
+from cpullm.model_executor.layers.quantization.gguf_blocks import FORMATS, KEPT_TYPES
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -121,3 +121,22 @@ def _rows(data: np.ndarray, shape) -> np.ndarray:
     """A tensor's bytes as [rows, bytes per row] (rows: every dimension but the last)."""
     rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
     return data.view(np.uint8).reshape(rows, -1)
+
+
+def gguf_weight_bytes(path: str, dtype: torch.dtype) -> int:
+    """The memory the file's tensors take once loaded: block types as kept (see
+    ``FORMATS``), float types in ``dtype``. Read from the tensor table alone."""
+    from transformers.integrations.gguf.reader import GgufHeader
+
+    try:
+        table = [(GGMLQuantizationType(t.ggml_type), t.shape)
+                 for t in GgufHeader.from_file(path).tensors]
+    except ValueError:  # a type that table cannot size: gguf's reader
+        table = [(GGMLQuantizationType(t.tensor_type), tuple(int(d) for d in t.shape))
+                 for t in GGUFReader(path).tensors]
+    element = torch.tensor([], dtype=dtype).element_size()
+    total = 0.0
+    for qtype, shape in table:
+        numel = int(np.prod(shape))
+        total += numel * (FORMATS[qtype].bytes_per_weight() if qtype in FORMATS else element)
+    return int(total)

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 # Up to this many rows of x, the integer dot products on the blocks as stored; above, the
 # bfloat16 GEMM on panels dequantized 32 rows at a time (see docs/quantization.md).
-VNNI_MAX_ROWS = 16
+VNNI_MAX_ROWS = 20
 
 
 @dataclass
@@ -62,7 +62,7 @@ class QuantizedWeight(nn.Module):
 
     @classmethod
     def from_split(cls, split: SplitBlocks, qtype: str) -> QuantizedWeight:
-        return cls(split.format(), torch.from_numpy(np.ascontiguousarray(split.packed())),
+        return cls(split.fmt, torch.from_numpy(np.ascontiguousarray(split.packed())),
                    torch.from_numpy(split.scales),
                    None if split.mins is None else torch.from_numpy(split.mins),
                    split.u.shape[1], qtype)
@@ -142,8 +142,19 @@ class QuantizedWeight(nn.Module):
         self.matmul_into(out, rows, bias, ops)
         return out.view(*x.shape[:-1], self.n)
 
-    def describe(self) -> str:
-        return f"GGUF {self.qtype} kept as {self.fmt.name}"
+    def describe(self, ops: KernelTable | None = None, dtype: torch.dtype | None = None
+                 ) -> str:
+        """The type, its layout, and (given the kernels and the compute dtype) what runs it."""
+        name = f"GGUF {self.qtype} kept as {self.fmt.name}"
+        if dtype is None:
+            return name
+        if not self.runs_on_kernel(ops, dtype):
+            return f"{name}: dequantized a slice at a time, ATen linear"
+        assert ops is not None
+        if ops.quant_gemm_bf16 is None or self.n % 32:
+            return f"{name}: cpullm int8 dot products (AVX-512 VNNI)"
+        return (f"{name}: cpullm int8 dot products (AVX-512 VNNI) up to {VNNI_MAX_ROWS} rows, "
+                "bf16 GEMM on panels dequantized 32 rows at a time above")
 
 
 class GGUFConfig(QuantizationConfig):
@@ -249,11 +260,7 @@ class GGUFLinearMethod(LinearMethod):
         parts = []
         for segment in layer.segments:
             if segment.quantized is not None:
-                q = segment.quantized
-                parts.append(f"{q.describe()}: " + (
-                    "cpullm int8 dot products (AVX-512 VNNI)"
-                    if q.runs_on_kernel(layer.ops, layer.compute_dtype)
-                    else "dequantized a slice at a time, ATen linear"))
+                parts.append(segment.quantized.describe(layer.ops, layer.compute_dtype))
             elif segment.gemm is not None:
                 parts.append(segment.gemm.describe())
             else:

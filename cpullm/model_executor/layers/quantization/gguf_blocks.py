@@ -59,25 +59,37 @@ class BlockFormat:
                f"scales, {kind}"
 
 
+# How each type is kept: u of up to 4 bits two per byte (Q2_K's 2 and Q3_K's 3 bits too),
+# of 5 to 8 bits one per byte; the legacy types' float16 scales as stored, the K-quants'
+# products of two scales in float32.
+FORMATS = {
+    T.Q4_0: BlockFormat(4, 32, "float16", 8),
+    T.Q4_1: BlockFormat(4, 32, "float16", None),
+    T.Q5_0: BlockFormat(8, 32, "float16", 16),
+    T.Q5_1: BlockFormat(8, 32, "float16", None),
+    T.Q8_0: BlockFormat(8, 32, "float16", 128),
+    T.Q2_K: BlockFormat(4, 16, "float32", None),
+    T.Q3_K: BlockFormat(4, 16, "float32", 4),
+    T.Q4_K: BlockFormat(4, 32, "float32", None),
+    T.Q5_K: BlockFormat(8, 32, "float32", None),
+    T.Q6_K: BlockFormat(8, 16, "float32", 32),
+}
+KEPT_TYPES = tuple(FORMATS)
+
+
 @dataclass
 class SplitBlocks:
     """A [rows, k] weight as u (uint8, one per weight, not yet packed), scales and mins
-    ([rows, k / block]); ``mins`` is None for a symmetric type."""
+    ([rows, k / block]) of ``fmt``; ``mins`` is None for a symmetric type."""
 
     u: np.ndarray
     scales: np.ndarray
     mins: np.ndarray | None
-    block: int
-    zero: int | None
-    max_u: int
-
-    def format(self) -> BlockFormat:
-        return BlockFormat(4 if self.max_u < 16 else 8, self.block, str(self.scales.dtype),
-                           self.zero)
+    fmt: BlockFormat
 
     def packed(self) -> np.ndarray:
         """u in the kernels' layout: [rows, bytes per row]."""
-        return pack(self.u, self.format().bits, self.block)
+        return pack(self.u, self.fmt.bits, self.fmt.block)
 
 
 def _groups(k: int, block: int) -> list[tuple[int, int, int, int, int]]:
@@ -235,37 +247,31 @@ def _split_k(qtype: GGMLQuantizationType, blocks: np.ndarray) -> tuple:
     return low | (high << 4), s, None, 32, 63
 
 
-KEPT_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
-_SUB_BLOCK = {T.Q2_K: 16, T.Q3_K: 16, T.Q6_K: 16}
-
-
 def split_blocks(qtype: GGMLQuantizationType, raw: np.ndarray, k: int) -> SplitBlocks:
     """A tensor's raw blocks [rows, bytes per row] as u, scales and mins."""
-    if qtype not in KEPT_TYPES:
+    if qtype not in FORMATS:
         raise ValueError(f"GGUF type {qtype.name} is not supported")
+    fmt = FORMATS[qtype]
     per_block, nbytes = block_bytes(qtype)
     rows = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(-1, nbytes)
-    if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
-        u, s, m, zero, max_u = _split_legacy(qtype, blocks)
-        block = 32
-    else:
-        u, s, m, zero, max_u = _split_k(qtype, blocks)
-        block = _SUB_BLOCK.get(qtype, 32)
-    assert u.shape[1] == per_block
+    split = _split_legacy if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0) else _split_k
+    u, s, m, zero, max_u = split(qtype, blocks)
+    assert u.shape[1] == per_block and zero == fmt.zero and max_u < 1 << fmt.bits
+    assert str(s.dtype) == fmt.scale_dtype
     return SplitBlocks(u.reshape(rows, k).astype(np.uint8, copy=False),
-                       np.ascontiguousarray(s.reshape(rows, k // block)),
-                       None if m is None else np.ascontiguousarray(m.reshape(rows, k // block)),
-                       block, zero, max_u)
+                       np.ascontiguousarray(s.reshape(rows, k // fmt.block)),
+                       None if m is None else np.ascontiguousarray(m.reshape(rows, k // fmt.block)),
+                       fmt)
 
 
 def dequantize_split(split: SplitBlocks) -> np.ndarray:
     """float32 weights from u, s and m, with gguf's own float32 operations."""
     rows, k = split.u.shape
-    u = split.u.reshape(rows, k // split.block, split.block)
+    u = split.u.reshape(rows, k // split.fmt.block, split.fmt.block)
     s = split.scales.astype(np.float32)[..., None]
-    if split.zero is not None:
-        w = (u.astype(np.float32) - np.float32(split.zero)) * s
+    if split.fmt.zero is not None:
+        w = (u.astype(np.float32) - np.float32(split.fmt.zero)) * s
     else:
         assert split.mins is not None
         w = s * u.astype(np.float32) + split.mins.astype(np.float32)[..., None]
