@@ -205,12 +205,61 @@ inline void group_dots(const uint8_t* const* wrow, const int8_t* const* xq, cons
   }
 }
 
+// A group of 16 blocks (one per lane, STEPS = block / 4 steps): group_dots with the trip
+// count known and no masks, so that the compiler keeps everything in registers. Nearly all
+// of a row is such groups.
+template <int BITS, int STEPS, int R, int T, int CHAINS, bool PREFETCH>
+inline void full_group_dots(const uint8_t* const* wrow, const int8_t* const* xq,
+                            int64_t weight_offset, int64_t x_offset, int64_t ahead,
+                            __m512i (&dot)[R][T][CHAINS]) {
+  if constexpr (T == 1) {  // a step pair at a time: one load of 4-bit u, two chains
+    for (int j = 0; j < STEPS; j += 2) {
+      const __m512i x0 = _mm512_loadu_si512(xq[0] + x_offset + j * 64);
+      const __m512i x1 = _mm512_loadu_si512(xq[0] + x_offset + j * 64 + 64);
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* p = wrow[r] + weight_offset + j * 32 * BITS / 4;
+        if (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T1);
+        if (PREFETCH && BITS == 8) _mm_prefetch(reinterpret_cast<const char*>(p + ahead + 64), _MM_HINT_T1);
+        __m512i u0, u1;
+        if constexpr (BITS == 4) {
+          const __m512i packed = _mm512_loadu_si512(p);
+          u0 = _mm512_and_si512(packed, _mm512_set1_epi8(0x0F));
+          u1 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), _mm512_set1_epi8(0x0F));
+        } else {
+          u0 = _mm512_loadu_si512(p);
+          u1 = _mm512_loadu_si512(p + 64);
+        }
+        dot[r][0][0] = _mm512_dpbusd_epi32(dot[r][0][0], u0, x0);
+        dot[r][0][CHAINS - 1] = _mm512_dpbusd_epi32(dot[r][0][CHAINS - 1], u1, x1);
+      }
+    }
+    return;
+  }
+  // Several tokens: one step at a time, each row's u reloaded (from L1) for the second
+  // step of a 4-bit pair: with 4 x 4 sums, one step's x and one row's u are all the
+  // registers left.
+#pragma GCC unroll 8
+  for (int j = 0; j < STEPS; ++j) {
+    __m512i xv[T];
+    for (int t = 0; t < T; ++t) xv[t] = _mm512_loadu_si512(xq[t] + x_offset + j * 64);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* p = wrow[r] + weight_offset + (BITS == 4 ? (j / 2) * 64 : j * 64);
+      if (PREFETCH && (BITS == 8 || j % 2 == 0))
+        _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T1);
+      __m512i u = _mm512_loadu_si512(p);
+      if constexpr (BITS == 4)
+        u = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(u, 4) : u, _mm512_set1_epi8(0x0F));
+      for (int t = 0; t < T; ++t) dot[r][t][0] = _mm512_dpbusd_epi32(dot[r][t][0], u, xv[t]);
+    }
+  }
+}
+
 // The lane sums of rows [r0, r0 + R) of W with tokens [t0, t0 + T) of x, added into
 // sums[t * kItemRows + slot + r]: one vector per dot product, its lanes still to be added.
 // The integer sums of a group live in registers (R x T of them: with 4 x 4, enough
 // independent VNNI chains to cover the instruction's latency); the float sums in ``sums``
 // (L1), which they meet once per group.
-template <int BITS, typename S, bool MIN, int R, int T, bool PREFETCH>
+template <int BITS, int BLOCK, typename S, bool MIN, int R, int T, bool PREFETCH>
 void tile(const Weight& w, const std::vector<Group>& groups, int64_t r0, const QuantizedX& x,
           int64_t t0, __m512* sums, int slot) {
   // With one token, two chains of sums per row (steps alternate), for more VNNI
@@ -227,7 +276,11 @@ void tile(const Weight& w, const std::vector<Group>& groups, int64_t r0, const Q
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < T; ++t)
         for (int c = 0; c < kChains; ++c) dot[r][t][c] = _mm512_setzero_si512();
-    group_dots<BITS, R, T, kChains, PREFETCH>(wrow, xq, g, kItemRows * w.row_bytes, dot);
+    if (g.blocks == 16)
+      full_group_dots<BITS, BLOCK / 4, R, T, kChains, PREFETCH>(
+          wrow, xq, g.weight_offset, g.x_offset, kItemRows * w.row_bytes, dot);
+    else
+      group_dots<BITS, R, T, kChains, PREFETCH>(wrow, xq, g, kItemRows * w.row_bytes, dot);
     // The integer sums meet their scales: s dx dot + (m or -zero s) dx sum(q). A block
     // over several lanes takes its scale into each (lane i: block i / lanes_per_block).
     const __mmask16 mask = static_cast<__mmask16>((1u << g.blocks) - 1);
@@ -267,21 +320,29 @@ using Tile = void (*)(const Weight&, const std::vector<Group>&, int64_t, const Q
                       int64_t, __m512*, int);
 
 // [prefetch][rows == 4][tokens == 4]: full tiles, and single rows or tokens for the edges.
-template <int BITS, typename S, bool MIN>
+template <int BITS, int BLOCK, typename S, bool MIN>
 struct Tiles {
   static constexpr Tile table[2][2][2] = {
-      {{&tile<BITS, S, MIN, 1, 1, false>, &tile<BITS, S, MIN, 1, kTokens, false>},
-       {&tile<BITS, S, MIN, kRows, 1, false>, &tile<BITS, S, MIN, kRows, kTokens, false>}},
-      {{&tile<BITS, S, MIN, 1, 1, true>, &tile<BITS, S, MIN, 1, kTokens, true>},
-       {&tile<BITS, S, MIN, kRows, 1, true>, &tile<BITS, S, MIN, kRows, kTokens, true>}}};
+      {{&tile<BITS, BLOCK, S, MIN, 1, 1, false>, &tile<BITS, BLOCK, S, MIN, 1, kTokens, false>},
+       {&tile<BITS, BLOCK, S, MIN, kRows, 1, false>, &tile<BITS, BLOCK, S, MIN, kRows, kTokens, false>}},
+      {{&tile<BITS, BLOCK, S, MIN, 1, 1, true>, &tile<BITS, BLOCK, S, MIN, 1, kTokens, true>},
+       {&tile<BITS, BLOCK, S, MIN, kRows, 1, true>, &tile<BITS, BLOCK, S, MIN, kRows, kTokens, true>}}};
 };
 
 using TileTable = const Tile (*)[2][2];
 
-template <int BITS>
-TileTable pick(bool half, bool min) {
-  if (half) return min ? Tiles<BITS, at::Half, true>::table : Tiles<BITS, at::Half, false>::table;
-  return min ? Tiles<BITS, float, true>::table : Tiles<BITS, float, false>::table;
+// The layouts GGUF's types are kept in (gguf_blocks.FORMATS): bits, block, scale type and
+// min or zero point.
+TileTable pick(int64_t bits, int64_t block, bool half, bool min) {
+  using H = at::Half;
+  if (bits == 4 && block == 32 && half) return min ? Tiles<4, 32, H, true>::table : Tiles<4, 32, H, false>::table;  // Q4_1, Q4_0
+  if (bits == 8 && block == 32 && half) return min ? Tiles<8, 32, H, true>::table : Tiles<8, 32, H, false>::table;  // Q5_1, Q5_0 Q8_0
+  if (bits == 4 && block == 32 && !half && min) return Tiles<4, 32, float, true>::table;  // Q4_K
+  if (bits == 8 && block == 32 && !half && min) return Tiles<8, 32, float, true>::table;  // Q5_K
+  if (bits == 4 && block == 16 && !half) return min ? Tiles<4, 16, float, true>::table : Tiles<4, 16, float, false>::table;  // Q2_K, Q3_K
+  if (bits == 8 && block == 16 && !half && !min) return Tiles<8, 16, float, false>::table;  // Q6_K
+  TORCH_CHECK(false, "quant_gemm: no kernel for ", bits, "-bit u in blocks of ", block, " with ",
+              half ? "float16" : "float32", " scales and ", min ? "mins" : "a zero point");
 }
 
 // 16 float32 -> 16 bfloat16, rounded to nearest even (no BF16 instructions needed).
@@ -339,7 +400,7 @@ void quant_gemm(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales
   const QuantizedX xq = quantize_x(x, block, groups);
   const Weight w{data.data_ptr<uint8_t>(), row_bytes, scales.data_ptr(),
                  mins.has_value() ? mins->data_ptr() : nullptr, k / block, static_cast<float>(zero)};
-  const TileTable tiles = bits == 4 ? pick<4>(half, mins.has_value()) : pick<8>(half, mins.has_value());
+  const TileTable tiles = pick(bits, block, half, mins.has_value());
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   const int64_t ldo = out.stride(0), items = (n + kItemRows - 1) / kItemRows;
@@ -349,7 +410,7 @@ void quant_gemm(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales
   // for a token are reduced together and stored as one vector.
   at::parallel_for(0, items, std::max<int64_t>(1, 16 / std::min<int64_t>(m, 16)),
                    [&](int64_t begin, int64_t end) {
-    __m512 sums[kTokens * kItemRows];
+    __m512 sums[kTokens * kItemRows];  // [token][row]
     for (int64_t tb = 0; tb < m; tb += kTokenBlock) {
       const int64_t te = std::min(m, tb + kTokenBlock);
       for (int64_t item = begin; item < end; ++item) {
