@@ -212,7 +212,9 @@ template <int BITS, int STEPS, int R, int T, int CHAINS, bool PREFETCH>
 inline void full_group_dots(const uint8_t* const* wrow, const int8_t* const* xq,
                             int64_t weight_offset, int64_t x_offset, int64_t ahead,
                             __m512i (&dot)[R][T][CHAINS]) {
-  if constexpr (T == 1) {  // a step pair at a time: one load of 4-bit u, two chains
+  if constexpr (T == 1) {
+    // A step pair at a time (one load of 4-bit u), the steps taking turns over the chains.
+#pragma GCC unroll 8
     for (int j = 0; j < STEPS; j += 2) {
       const __m512i x0 = _mm512_loadu_si512(xq[0] + x_offset + j * 64);
       const __m512i x1 = _mm512_loadu_si512(xq[0] + x_offset + j * 64 + 64);
@@ -229,8 +231,8 @@ inline void full_group_dots(const uint8_t* const* wrow, const int8_t* const* xq,
           u0 = _mm512_loadu_si512(p);
           u1 = _mm512_loadu_si512(p + 64);
         }
-        dot[r][0][0] = _mm512_dpbusd_epi32(dot[r][0][0], u0, x0);
-        dot[r][0][CHAINS - 1] = _mm512_dpbusd_epi32(dot[r][0][CHAINS - 1], u1, x1);
+        dot[r][0][j % CHAINS] = _mm512_dpbusd_epi32(dot[r][0][j % CHAINS], u0, x0);
+        dot[r][0][(j + 1) % CHAINS] = _mm512_dpbusd_epi32(dot[r][0][(j + 1) % CHAINS], u1, x1);
       }
     }
     return;
@@ -262,9 +264,9 @@ inline void full_group_dots(const uint8_t* const* wrow, const int8_t* const* xq,
 template <int BITS, int BLOCK, typename S, bool MIN, int R, int T, bool PREFETCH>
 void tile(const Weight& w, const std::vector<Group>& groups, int64_t r0, const QuantizedX& x,
           int64_t t0, __m512* sums, int slot) {
-  // With one token, two chains of sums per row (steps alternate), for more VNNI
+  // With one token, four chains of sums per row (steps take turns), for more VNNI
   // instructions in flight.
-  constexpr int kChains = T == 1 ? 2 : 1;
+  constexpr int kChains = T == 1 ? 4 : 1;
   const S* scales = static_cast<const S*>(w.scales);
   const S* mins = static_cast<const S*>(w.mins);
   const uint8_t* wrow[R];
@@ -302,8 +304,8 @@ void tile(const Weight& w, const std::vector<Group>& groups, int64_t r0, const Q
       const __m512 m = MIN ? load16(mins + (r0 + r) * w.blocks + b0, mask)
                            : _mm512_mul_ps(s, _mm512_set1_ps(-w.zero));
       for (int t = 0; t < T; ++t) {
-        const __m512i d = kChains == 2 ? _mm512_add_epi32(dot[r][t][0], dot[r][t][kChains - 1])
-                                       : dot[r][t][0];
+        __m512i d = dot[r][t][0];
+        for (int c = 1; c < kChains; ++c) d = _mm512_add_epi32(d, dot[r][t][c]);
         __m512 scale = _mm512_mul_ps(s, xs[t]);
         if (g.lanes_per_block > 1) scale = _mm512_permutexvar_ps(spread, scale);
         __m512& acc = sums[t * kItemRows + slot + r];
