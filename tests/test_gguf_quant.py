@@ -71,12 +71,13 @@ def test_pack_unpack_round_trip(bits, block):
 
 
 def _kernels():
+    """The kernel table, and the quantized kernels this machine's build has."""
     ops = load_ops()
     found = []
     if ops is not None and ops.quant_gemm is not None:
-        found.append("int8 dot products")
+        found.append("int8")
     if ops is not None and ops.quant_gemm_bf16 is not None:
-        found.append("bf16 panels")
+        found.append("panels")
     return ops, found
 
 
@@ -97,11 +98,10 @@ def test_kernels_match_dequantized_reference(qtype, rows):
     expected = x.float() @ reference_w.T + bias.float()
     for kernel in ["torch", *kernels]:
         out = torch.empty(rows, n, dtype=torch.bfloat16)
-        weight.matmul_into(out, x, bias, ops, use_kernel=kernel != "torch",
-                           force_panels=kernel == "bf16 panels")
+        weight.matmul_into(out, x, bias, ops, kernel=kernel)
         error = (out.float() - expected).norm() / expected.norm()
         # bf16 output rounding, and the int8 quantization of x for the dot products
-        assert error < (0.01 if kernel == "int8 dot products" else 0.004), (kernel, error)
+        assert error < (0.01 if kernel == "int8" else 0.004), (kernel, error)
 
 
 def test_kernel_writes_into_a_column_slice():
@@ -113,13 +113,14 @@ def test_kernel_writes_into_a_column_slice():
     weight = QuantizedWeight.from_blocks(RawBlocks(T.Q4_1, random_blocks(T.Q4_1, 64, 256, rng),
                                                    (64, 256)))
     x = torch.randn(3, 256).bfloat16()
-    full = torch.full((3, 100), 7.0, dtype=torch.bfloat16)
-    weight.matmul_into(full[:, 20:84], x, None, ops)
-    assert torch.equal(full[:, :20], torch.full((3, 20), 7.0, dtype=torch.bfloat16))
-    assert torch.equal(full[:, 84:], torch.full((3, 16), 7.0, dtype=torch.bfloat16))
-    alone = torch.empty(3, 64, dtype=torch.bfloat16)
-    weight.matmul_into(alone, x, None, ops)
-    assert torch.equal(full[:, 20:84], alone)
+    for kernel in kernels:
+        full = torch.full((3, 100), 7.0, dtype=torch.bfloat16)
+        weight.matmul_into(full[:, 20:84], x, None, ops, kernel=kernel)
+        assert torch.equal(full[:, :20], torch.full((3, 20), 7.0, dtype=torch.bfloat16))
+        assert torch.equal(full[:, 84:], torch.full((3, 16), 7.0, dtype=torch.bfloat16))
+        alone = torch.empty(3, 64, dtype=torch.bfloat16)
+        weight.matmul_into(alone, x, None, ops, kernel=kernel)
+        assert torch.equal(full[:, 20:84], alone), kernel
 
 
 # A tiny Llama whose tensors mix the types of a Q4_K_M file: q/k Q4_K and v Q6_K in one

@@ -7,9 +7,8 @@
 // block's dot product is an integer one, four u8 x s8 products per lane per VNNI
 // instruction:
 //     sum_i w_i x_i = s dx sum_i u_i q_i + (m or -zero s) dx sum_i q_i
-// The weights are read once, as stored (4.5-9 bits each): a decode step reads 2-4x fewer
-// bytes than from bfloat16, and one VNNI instruction does 64 multiply-adds where a BF16
-// dot product does 32.
+// The weights are read once, as stored (4.5-10 bits each): a decode step reads 2-4x fewer
+// bytes than from bfloat16.
 //
 // Layout: the blocks of a row go in groups of 16 blocks, one block per 32-bit lane; the
 // remainder in groups of 8, 4, 2 and 1 blocks, a block over 2, 4, 8 or 16 lanes (at most
@@ -27,9 +26,11 @@
 //
 // For many rows of x (prompts, big batches) the same blocks feed the bfloat16 GEMM instead
 // (quant_gemm_bf16): each thread dequantizes 32 rows of W at a time into a panel of the dense
-// GEMM's layout and runs its tiles on it. Dequantizing costs about a pass of the dense GEMM
-// over 8 rows, so above a few rows this is faster than the integer dot products, whose
-// per-group scaling and nibble unpacking cost about as much as the products themselves.
+// GEMM's layout and runs its tiles on it. A VNNI instruction does 64 multiply-adds and a
+// BF16 dot product 32, but on Zen 5 the first issues once per cycle and the second twice,
+// so once a step is compute-bound the int8 path, with its unpacking and per-group scaling
+// on top, loses; dequantizing a panel costs about 8 rows of the bf16 GEMM, and from ~20
+// rows on the panels are faster (docs/quantization.md).
 #include "gemm_tiles.h"
 #include "ops.h"
 
@@ -157,8 +158,8 @@ inline __m512i load_step(const uint8_t* p, __mmask64 bytes) {
   }
 }
 
-// Steps [0, steps) of one group into the integer sums dot[r][t][chain]; odd steps go to
-// the last chain (all indices compile-time, so that the sums stay in registers).
+// The steps of one of a row's last groups (fewer than 16 blocks: masked loads, one to
+// eight steps) into the integer sums dot[r][t][chain]; odd steps go to the last chain.
 template <int BITS, int R, int T, int CHAINS, bool PREFETCH>
 inline void group_dots(const uint8_t* const* wrow, const int8_t* const* xq, const Group& g,
                        int64_t ahead, __m512i (&dot)[R][T][CHAINS]) {

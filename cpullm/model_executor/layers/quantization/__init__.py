@@ -42,6 +42,16 @@ class LinearMethod(ABC):
     def describe(self, layer: LinearBase) -> str:
         """Which kernel runs this layer, for the debug log."""
 
+    @staticmethod
+    def create_bias(layer: LinearBase, bias: bool, dtype: torch.dtype | None) -> None:
+        """A dense bias [output_size] (every format keeps biases dense), or none."""
+        if bias:
+            layer.bias = torch.nn.Parameter(torch.empty(layer.output_size, dtype=dtype),
+                                            requires_grad=False)
+            layer.bias.weight_loader = layer.weight_loader  # type: ignore[attr-defined]
+        else:
+            layer.register_parameter("bias", None)
+
 
 class QuantizationConfig(ABC):
     """A checkpoint's quantization format: hands every linear layer its method."""

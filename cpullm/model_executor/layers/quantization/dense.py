@@ -29,12 +29,7 @@ class DenseLinearMethod(LinearMethod):
         layer.weight = nn.Parameter(torch.empty(layer.output_size, layer.input_size,
                                                 dtype=dtype), requires_grad=False)
         layer.weight.weight_loader = layer.weight_loader  # type: ignore[attr-defined]
-        if bias:
-            layer.bias = nn.Parameter(torch.empty(layer.output_size, dtype=dtype),
-                                      requires_grad=False)
-            layer.bias.weight_loader = layer.weight_loader  # type: ignore[attr-defined]
-        else:
-            layer.register_parameter("bias", None)
+        self.create_bias(layer, bias, dtype)
         layer.gemm = None
 
     def process_weights_after_loading(self, layer: LinearBase, ops: KernelTable | None) -> None:

@@ -106,27 +106,27 @@ class QuantizedWeight(nn.Module):
             w = s * u + mins.float()[..., None]
         return w.view(rows, k).to(dtype)
 
-    @staticmethod
-    def runs_on_kernel(ops: KernelTable | None, dtype: torch.dtype) -> bool:
-        """Whether cpullm's kernel multiplies (bfloat16, AVX-512 VNNI); else torch on
-        weights dequantized a slice at a time."""
-        return ops is not None and ops.quant_gemm is not None and dtype == torch.bfloat16
+    def kernel_for(self, rows: int, ops: KernelTable | None, dtype: torch.dtype) -> str:
+        """What multiplies ``rows`` rows of x: "int8" (cpullm's dot products on the blocks,
+        AVX-512 VNNI), "panels" (cpullm's bf16 GEMM on panels dequantized 32 rows at a
+        time, AVX-512 BF16) or "torch" (ATen on weights dequantized a slice at a time)."""
+        if ops is None or ops.quant_gemm is None or dtype != torch.bfloat16:
+            return "torch"
+        if rows > VNNI_MAX_ROWS and ops.quant_gemm_bf16 is not None and self.n % 32 == 0:
+            return "panels"
+        return "int8"
 
     def matmul_into(self, out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
-                    ops: KernelTable | None, use_kernel: bool | None = None,
-                    force_panels: bool = False) -> None:
-        """out [rows, n] = x [rows, k] @ W.T (+ bias); ``use_kernel`` forces the choice
-        (tests)."""
-        if use_kernel if use_kernel is not None else self.runs_on_kernel(ops, x.dtype):
-            assert ops is not None and ops.quant_gemm is not None
-            if x.stride(-1) != 1:
+                    ops: KernelTable | None, kernel: str | None = None) -> None:
+        """out [rows, n] = x [rows, k] @ W.T (+ bias); ``kernel`` forces one (tests)."""
+        kernel = kernel or self.kernel_for(x.shape[0], ops, x.dtype)
+        if kernel != "torch":
+            assert ops is not None
+            run = ops.quant_gemm if kernel == "int8" else ops.quant_gemm_bf16
+            if x.stride(-1) != 1 or x.stride(0) % 2:
                 x = x.contiguous()
-            kernel = ops.quant_gemm if x.shape[0] <= VNNI_MAX_ROWS or ops.quant_gemm_bf16 is None \
-                or self.n % 32 else ops.quant_gemm_bf16
-            if force_panels:
-                kernel = ops.quant_gemm_bf16
-            kernel(out, x, self.data, self.scales, self.mins, self.fmt.bits, self.fmt.block,
-                   self.fmt.zero or 0, bias)
+            run(out, x, self.data, self.scales, self.mins, self.fmt.bits, self.fmt.block,
+                self.fmt.zero or 0, bias)
             return
         # Dequantize a slice of rows at a time: never the whole weight in floats at once.
         step = max(32, (1 << 22) // self.k)
@@ -148,10 +148,10 @@ class QuantizedWeight(nn.Module):
         name = f"GGUF {self.qtype} kept as {self.fmt.name}"
         if dtype is None:
             return name
-        if not self.runs_on_kernel(ops, dtype):
+        few, many = self.kernel_for(1, ops, dtype), self.kernel_for(VNNI_MAX_ROWS + 1, ops, dtype)
+        if few == "torch":
             return f"{name}: dequantized a slice at a time, ATen linear"
-        assert ops is not None
-        if ops.quant_gemm_bf16 is None or self.n % 32:
+        if many == "int8":
             return f"{name}: cpullm int8 dot products (AVX-512 VNNI)"
         return (f"{name}: cpullm int8 dot products (AVX-512 VNNI) up to {VNNI_MAX_ROWS} rows, "
                 "bf16 GEMM on panels dequantized 32 rows at a time above")
@@ -189,12 +189,7 @@ class GGUFLinearMethod(LinearMethod):
         layer.shards = {}
         layer.segments = []
         layer.compute_dtype = dtype
-        if bias:
-            layer.bias = nn.Parameter(torch.empty(layer.output_size, dtype=dtype),
-                                      requires_grad=False)
-            layer.bias.weight_loader = layer.weight_loader  # type: ignore[attr-defined]
-        else:
-            layer.register_parameter("bias", None)
+        self.create_bias(layer, bias, dtype)
 
     def load(self, layer: LinearBase, loaded: RawBlocks | torch.Tensor,
              shard_id: str | int | None) -> None:
