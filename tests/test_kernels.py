@@ -245,3 +245,55 @@ def test_build_is_keyed_on_the_cpu_and_the_install(monkeypatch, tmp_path):
                     | {"avx2"})
     monkeypatch.setattr(ops_py, "cpu_info", lambda: other)
     assert ops_py.build_name() != mine
+
+
+def test_prebuilt_level_follows_the_cpu_flags():
+    from cpullm.model_executor.layers.ops import ISA_LEVELS, best_level
+
+    avx2, avx512, avx512_bf16 = ISA_LEVELS
+    assert best_level(set()) is None  # another ISA: the JIT build (or torch ops)
+    assert best_level(set(avx2.needs)) is avx2
+    assert best_level(set(avx512.needs) | {"sse4_2"}) is avx512
+    assert best_level(set(avx512_bf16.needs) | {"amx_bf16"}) is avx512_bf16
+    assert best_level(set(avx512_bf16.needs) - {"avx512_vnni"}) is avx2
+
+
+def test_prebuilt_libraries_run_here():
+    """Every level's library that setup built and this CPU runs: it loads, its table has
+    what its instruction sets allow, and its rotary kernel equals torch's."""
+    from cpullm.model_executor.layers.ops import ISA_LEVELS, KernelTable, load_prebuilt
+    from cpullm.model_executor.layers.rotary import RotaryEmbedding
+
+    runnable = [level for level in ISA_LEVELS if level.needs <= cpu_info().flags]
+    loaded = {level.name: load_prebuilt(level) for level in runnable}
+    if not any(loaded.values()):
+        pytest.skip("no prebuilt kernels (setup builds them: make setup)")
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    positions = torch.arange(5)
+    q, k = torch.randn(5, 4, 64), torch.randn(5, 2, 64)
+    expected = RotaryEmbedding(config, 64, 32)(positions, q.clone(), k.clone())
+    for name, module in loaded.items():
+        if module is None:
+            continue
+        table = KernelTable.of(module)
+        assert (table.quant_gemm is not None) == (name != "avx2")
+        assert (table.gemm_bf16 is not None) == (name == "avx512_bf16")
+        got = RotaryEmbedding(config, 64, 32, table)(positions, q.clone(), k.clone())
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True)), name
+
+
+def test_prebuilt_library_of_other_sources_is_not_used(monkeypatch, tmp_path):
+    import shutil
+
+    from cpullm.model_executor.layers import ops as ops_py
+
+    level = ops_py.ISA_LEVELS[0]
+    mine = ops_py.prebuilt_name(level)
+    shutil.copytree(ops_py._CSRC, tmp_path / "csrc")
+    (tmp_path / "csrc" / "threads.cpp").write_text(
+        (tmp_path / "csrc" / "threads.cpp").read_text() + "\n// edited\n")
+    monkeypatch.setattr(ops_py, "_CSRC", str(tmp_path / "csrc"))
+    assert ops_py.prebuilt_name(level) != mine
+    assert ops_py.load_prebuilt(level) is None  # sources edited since setup: the JIT build
