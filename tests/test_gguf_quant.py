@@ -225,3 +225,43 @@ def test_unsupported_type_is_refused_by_name(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight has type TQ2_0"):
         list(iterate_gguf(str(path), num_heads=4, num_kv_heads=2))
+
+
+@pytest.mark.parametrize("qtype", [T.F16, T.BF16, T.F32, T.Q8_0])
+def test_llama_q_rows_put_back_in_rotate_half_order(qtype, tmp_path):
+    """llama.cpp stores a Llama q/k projection with the rotary halves interleaved per head;
+    the loader reorders the rows back, for float tensors and for blocks alike."""
+    from cpullm.model_executor.loader.gguf_loader import iterate_gguf
+
+    heads, head_dim, hidden = 2, 8, 64
+    rng = np.random.default_rng(6)
+    values = rng.standard_normal((heads * head_dim, hidden)).astype(np.float32)
+    def interleave(w: np.ndarray) -> np.ndarray:  # llama.cpp's order of the rows
+        return w.reshape(heads, 2, head_dim // 2, hidden).swapaxes(1, 2).reshape(w.shape)
+
+    def rotate_half(w: np.ndarray) -> np.ndarray:  # back
+        return w.reshape(heads, head_dim // 2, 2, hidden).swapaxes(1, 2).reshape(w.shape)
+
+    stored = interleave(values)
+    path = str(tmp_path / "q.gguf")
+    writer = GGUFWriter(path, "llama")
+    if qtype == T.F16:
+        writer.add_tensor("blk.0.attn_q.weight", stored.astype(np.float16))
+    elif qtype == T.F32:
+        writer.add_tensor("blk.0.attn_q.weight", stored)
+    else:
+        writer.add_tensor("blk.0.attn_q.weight", quantize(stored, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    (name, got), = iterate_gguf(path, num_heads=heads, num_kv_heads=heads)
+    assert name == "model.layers.0.self_attn.q_proj.weight"
+    if isinstance(got, RawBlocks):
+        got = torch.from_numpy(dequantize_split(split_blocks(got.qtype, got.raw, hidden)))
+    if qtype in (T.F16, T.F32):
+        expected = values.astype(np.float16 if qtype == T.F16 else np.float32)
+    else:
+        expected = rotate_half(dequantize(quantize(stored, qtype), qtype))
+    assert got.dtype == torch.float32
+    assert np.array_equal(got.numpy(), expected.astype(np.float32))

@@ -77,7 +77,7 @@ def iterate_gguf(path: str, num_heads: int, num_kv_heads: int
         if qtype in _FLOAT_TYPES:
             array = _FLOAT_TYPES[qtype](array).reshape(shape)
             # A writable array: torch refuses read-only memory (the file is memory-mapped).
-            array = np.array(array, dtype=np.float32, copy=not array.flags.writeable)
+            array = array.astype(np.float32, copy=not array.flags.writeable)
             yield name, torch.from_numpy(array)
         else:
             yield name, RawBlocks(qtype, array, shape)

@@ -229,6 +229,8 @@ class GGUFLinearMethod(LinearMethod):
             if segment.dense is not None:
                 seg_bias = None if bias is None else bias[segment.start:segment.end]
                 segment.gemm = PackedGemm.create(segment.dense, seg_bias, ops)
+                if segment.gemm is not None:
+                    segment.dense = None  # the packed copy replaces it
             elif segment.quantized is not None:
                 layer.add_module(f"quantized_{i}", segment.quantized)
         layer.segments = segments
@@ -244,7 +246,7 @@ class GGUFLinearMethod(LinearMethod):
             if segment.quantized is not None:
                 segment.quantized.matmul_into(target, rows, seg_bias, layer.ops)
             elif segment.gemm is not None:
-                target.copy_(segment.gemm(rows))
+                target.copy_(segment.gemm(rows))  # the packed weight carries the bias
             else:
                 assert segment.dense is not None
                 target.copy_(F.linear(rows, segment.dense, seg_bias))
