@@ -132,20 +132,27 @@ MIXED = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
 
 
-@pytest.fixture(scope="module")
-def mixed_gguf(tmp_path_factory) -> Path:
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def mixed_gguf(request, tmp_path_factory) -> Path:
+    """The file, as a Llama and as a Qwen2 (whose q, k and v projections have biases, F32
+    in GGUF files)."""
+    arch = request.param
     reader = GGUFReader(resolve_model(None).gguf_path)
-    path = tmp_path_factory.mktemp("mixed") / "mixed.gguf"
-    writer = GGUFWriter(str(path), "llama")
-    sizes = {"llama.embedding_length": HIDDEN, "llama.feed_forward_length": INTERMEDIATE,
-             "llama.attention.head_count": HEADS, "llama.attention.head_count_kv": KV_HEADS,
-             "llama.block_count": LAYERS, "llama.rope.dimension_count": HIDDEN // HEADS,
-             "llama.context_length": 512}
+    path = tmp_path_factory.mktemp("mixed") / f"mixed-{arch}.gguf"
+    writer = GGUFWriter(str(path), arch)
+    sizes = {"embedding_length": HIDDEN, "feed_forward_length": INTERMEDIATE,
+             "attention.head_count": HEADS, "attention.head_count_kv": KV_HEADS,
+             "block_count": LAYERS, "rope.dimension_count": HIDDEN // HEADS,
+             "context_length": 512}
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name == "general.architecture":
             continue
-        value = sizes.get(field.name, field.contents())
-        writer.add_key_value(field.name, value, field.types[0],
+        name = field.name
+        if name.startswith("llama."):
+            name = arch + name[len("llama"):]
+        value = sizes.get(name.split(".", 1)[1] if name.startswith(arch + ".") else "",
+                          field.contents())
+        writer.add_key_value(name, value, field.types[0],
                              sub_type=field.types[1] if field.types[0] == GGUFValueType.ARRAY
                              else None)
     rng = np.random.default_rng(5)
@@ -168,6 +175,9 @@ def mixed_gguf(tmp_path_factory) -> Path:
             # super-scales of ~3e-4: K-quant weights of ~0.05, like a trained layer's
             add_blocks(f"blk.{layer}.{part}.weight", qtype, rows, k,
                        0.01 if qtype in LEGACY else 3e-4)
+            if arch == "qwen2" and part in ("attn_q", "attn_k", "attn_v"):
+                writer.add_tensor(f"blk.{layer}.{part}.bias",
+                                  (0.1 * rng.standard_normal(rows)).astype(np.float32))
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{layer}.{norm}.weight",
                               (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
