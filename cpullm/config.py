@@ -72,8 +72,12 @@ class ModelConfig:
         quantized), a folder's in the compute dtype (Llama-family layout)."""
         if self.quantization == "gguf" and self.source.gguf_path is not None:
             from cpullm.model_executor.loader.gguf_loader import gguf_weight_bytes
+            from cpullm.platform.cpu import cpu_info
 
-            return gguf_weight_bytes(self.source.gguf_path, self.dtype)
+            # The blocks stay quantized where the quantized kernels run (see gguf.py).
+            kept = self.dtype == torch.bfloat16 and not self.enforce_eager and {
+                "avx512_vnni", "avx512bw"} <= cpu_info().flags
+            return gguf_weight_bytes(self.source.gguf_path, self.dtype, kept)
         c = self.hf_config
         hidden, inter = c.hidden_size, c.intermediate_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

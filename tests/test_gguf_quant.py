@@ -189,16 +189,41 @@ def mixed_gguf(request, tmp_path_factory) -> Path:
 
 
 def test_mixed_types_load_and_match_transformers(mixed_gguf):
-    """The file loads kept quantized (two segments in QKV and in gate-up) and generates
-    what transformers generates from the same file, which dequantizes it, in float32."""
+    """In float32 (no quantized kernel: the blocks dequantized once at load) the file
+    generates exactly what transformers generates from it. In bfloat16 it stays quantized,
+    as two segments in QKV and in gate-up, and its greedy tokens follow float32's (at the
+    first difference, each side's token in the other's top 5)."""
     from transformers import AutoModelForCausalLM
 
     from cpullm import LLM, SamplingParams
     from cpullm.model_executor.layers.linear import LinearBase
 
-    llm = LLM(model=str(mixed_gguf), dtype="float32", max_model_len=256,
-              kv_cache_memory_bytes=1 << 24)
-    model = llm.llm_engine.model_runner.model
+    prompts = [[1, 2, 3, 4, 5], [100, 2000, 30000, 7]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+
+    def run(dtype: str):
+        llm = LLM(model=str(mixed_gguf), dtype=dtype, max_model_len=256,
+                  kv_cache_memory_bytes=1 << 24)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+        return llm.llm_engine.model_runner.model, [o.outputs[0] for o in outputs]
+
+    model, exact = run("float32")
+    assert all(s.quantized is None for m in model.modules() if isinstance(m, LinearBase)
+               for s in m.segments)
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(mixed_gguf.parent), gguf_file=mixed_gguf.name, dtype=torch.float32)
+    reference.generation_config.eos_token_id = None
+    for prompt, output in zip(prompts, exact, strict=True):
+        ids = torch.tensor([prompt])
+        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=16)
+        assert output.token_ids == expected[0, len(prompt):].tolist()
+
+    ops, kernels = _kernels()
+    if not QuantizedWeight.kernels_run(ops, torch.bfloat16):
+        return  # bfloat16 runs dequantized too on this CPU
+    model, quantized = run("bfloat16")
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert [s.quantized.qtype for s in qkv.segments] == ["Q4_K", "Q6_K"]
     gate_up = model.model.layers[0].mlp.gate_up_proj
@@ -206,19 +231,11 @@ def test_mixed_types_load_and_match_transformers(mixed_gguf):
     assert all(s.dense is None for m in model.modules() if isinstance(m, LinearBase)
                for s in m.segments)
     assert model.model.embed_tokens.quantized.qtype == "Q8_0"
-
-    reference = AutoModelForCausalLM.from_pretrained(
-        str(mixed_gguf.parent), gguf_file=mixed_gguf.name, dtype=torch.float32)
-    reference.generation_config.eos_token_id = None
-    prompts = [[1, 2, 3, 4, 5], [100, 2000, 30000, 7]]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                           use_tqdm=False)
-    for prompt, output in zip(prompts, outputs, strict=True):
-        ids = torch.tensor([prompt])
-        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=16)
-        assert output.outputs[0].token_ids == expected[0, len(prompt):].tolist()
+    for a, b in zip(exact, quantized, strict=True):
+        for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)):
+            if x != y:
+                assert y in a.logprobs[i] and x in b.logprobs[i], (i, a.token_ids, b.token_ids)
+                break
 
 
 def test_unsupported_type_is_refused_by_name(tmp_path):

@@ -36,6 +36,13 @@ class VocabEmbedding(nn.Module):
         else:
             param.data.copy_(loaded)
 
+    def process_weights_after_loading(self, ops: KernelTable | None) -> None:
+        """Where the quantized kernels do not run, the table is dequantized once (as the
+        linear layers are); a tied LM head shares the dequantized weight."""
+        if self.quantized is not None and not QuantizedWeight.kernels_run(ops, self.weight.dtype):
+            self.weight.data = self.quantized.dequantize(self.weight.dtype)
+            self.quantized = None
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             return self.quantized.dequantize(self.weight.dtype, input_ids)
@@ -60,6 +67,7 @@ class LMHead(VocabEmbedding):
     def process_weights_after_loading(self, ops: KernelTable | None) -> None:
         """A packed copy for the bfloat16/float16 GEMMs (the weight itself may be shared
         with the embedding table, which needs the plain layout)."""
+        super().process_weights_after_loading(ops)  # an untied head's own blocks
         table = self.tied if self.tied is not None else self
         self.ops = ops
         if table.quantized is not None:

@@ -13,6 +13,7 @@ from cpullm.logger import init_logger
 from cpullm.model_executor.layers.embedding import LMHead
 from cpullm.model_executor.layers.linear import LinearBase
 from cpullm.model_executor.layers.ops import KernelTable
+from cpullm.model_executor.layers.quantization.dense import PackedGemm
 from cpullm.model_executor.layers.quantization.gguf import GGUFConfig
 from cpullm.model_executor.loader.gguf_loader import iterate_gguf
 from cpullm.model_executor.loader.safetensors_loader import iterate_safetensors
@@ -54,13 +55,16 @@ def weight_bytes(model: nn.Module) -> int:
     """The memory the model's weights take, as loaded (packed copies and quantized blocks
     included; a tensor shared by two modules counted once)."""
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    for module in model.modules():  # the packed copies of the dense GEMMs
-        gemms = [getattr(module, "gemm", None)] + [s.gemm for s in getattr(module, "segments", [])]
-        for gemm in gemms:
-            if gemm is not None:
-                for t in (gemm.panels, gemm.panel_bias, gemm.onednn, gemm.bias):
-                    if t is not None:
-                        tensors[id(t)] = t
+    for module in model.modules():  # the packed copies of the dense GEMMs, GGUF segments
+        segments = getattr(module, "segments", [])
+        held = [getattr(module, "gemm", None), *(s.gemm for s in segments),
+                *(s.dense for s in segments)]
+        for item in held:
+            parts = (item.panels, item.panel_bias, item.onednn, item.bias) \
+                if isinstance(item, PackedGemm) else (item,)
+            for t in parts:
+                if t is not None:
+                    tensors[id(t)] = t
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 

@@ -123,9 +123,10 @@ def _rows(data: np.ndarray, shape) -> np.ndarray:
     return data.view(np.uint8).reshape(rows, -1)
 
 
-def gguf_weight_bytes(path: str, dtype: torch.dtype) -> int:
+def gguf_weight_bytes(path: str, dtype: torch.dtype, kept: bool = True) -> int:
     """The memory the file's tensors take once loaded: block types as kept (see
-    ``FORMATS``), float types in ``dtype``. Read from the tensor table alone."""
+    ``FORMATS``; in ``dtype`` where ``kept`` is false: no quantized kernels), float types
+    in ``dtype``. Read from the tensor table alone."""
     from transformers.integrations.gguf.reader import GgufHeader
 
     try:
@@ -138,5 +139,6 @@ def gguf_weight_bytes(path: str, dtype: torch.dtype) -> int:
     total = 0.0
     for qtype, shape in table:
         numel = int(np.prod(shape))
-        total += numel * (FORMATS[qtype].bytes_per_weight() if qtype in FORMATS else element)
+        total += numel * (FORMATS[qtype].bytes_per_weight() if kept and qtype in FORMATS
+                          else element)
     return int(total)

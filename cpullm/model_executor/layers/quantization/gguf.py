@@ -6,7 +6,8 @@ float types, as plain tensors. A linear layer collects its shards (q, k, v; gate
 each of its own type — a Q4_K_M file mixes Q4_K, Q6_K and others even inside one merged
 layer — and after loading keeps them as segments of output rows: consecutive shards of one
 ``BlockFormat`` become one ``QuantizedWeight``, float shards a dense weight. A matmul runs
-each segment into its columns of the output.
+each segment into its columns of the output. Where the quantized kernels do not run (see
+``QuantizedWeight.kernels_run``) the blocks are dequantized once after loading instead.
 """
 
 from __future__ import annotations
@@ -106,12 +107,18 @@ class QuantizedWeight(nn.Module):
             w = s * u + mins.float()[..., None]
         return w.view(rows, k).to(dtype)
 
+    @staticmethod
+    def kernels_run(ops: KernelTable | None, dtype: torch.dtype) -> bool:
+        """Whether cpullm's quantized kernels run here: AVX-512 VNNI, bfloat16 compute."""
+        return ops is not None and ops.quant_gemm is not None and dtype == torch.bfloat16
+
     def kernel_for(self, rows: int, ops: KernelTable | None, dtype: torch.dtype) -> str:
         """What multiplies ``rows`` rows of x: "int8" (cpullm's dot products on the blocks,
         AVX-512 VNNI), "panels" (cpullm's bf16 GEMM on panels dequantized 32 rows at a
         time, AVX-512 BF16) or "torch" (ATen on weights dequantized a slice at a time)."""
-        if ops is None or ops.quant_gemm is None or dtype != torch.bfloat16:
+        if not self.kernels_run(ops, dtype):
             return "torch"
+        assert ops is not None
         if rows > VNNI_MAX_ROWS and ops.quant_gemm_bf16 is not None and self.n % 32 == 0:
             return "panels"
         return "int8"
@@ -204,6 +211,14 @@ class GGUFLinearMethod(LinearMethod):
             layer.shards[start] = (end, loaded.to(layer.compute_dtype))
 
     def process_weights_after_loading(self, layer: LinearBase, ops: KernelTable | None) -> None:
+        if not QuantizedWeight.kernels_run(ops, layer.compute_dtype):
+            # No quantized kernel for this CPU or compute dtype (AVX2, Arm, float32, float16,
+            # --enforce-eager): the blocks are dequantized once, here, to run as dense
+            # weights, as fast as a checkpoint in that dtype (dequantizing at every matmul
+            # would be many times slower); docs/quantization.md states the memory it costs.
+            layer.shards = {start: (end, w.dequantize(layer.compute_dtype)
+                                    if isinstance(w, QuantizedWeight) else w)
+                            for start, (end, w) in layer.shards.items()}
         # Consecutive shards of one kind (one block format, or float) make one segment.
         segments: list[_Segment] = []
         for start, (end, weight) in sorted(layer.shards.items()):
