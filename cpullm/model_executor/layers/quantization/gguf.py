@@ -254,6 +254,11 @@ class GGUFLinearMethod(LinearMethod):
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         segments, bias = layer.segments, layer.bias
+        if len(segments) == 1 and segments[0].quantized is None:  # one dense weight: no copy
+            dense = segments[0]
+            out = dense.gemm(rows) if dense.gemm is not None else F.linear(rows, dense.dense, bias)
+            out = out.view(*x.shape[:-1], layer.output_size)
+            return layer.act(out) if layer.act is not None else out
         out = rows.new_empty(rows.shape[0], layer.output_size)
         for segment in segments:
             seg_bias = None if bias is None else bias[segment.start:segment.end]
