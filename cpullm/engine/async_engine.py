@@ -16,6 +16,8 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cpullm.config import EngineConfig
+from cpullm.engine.core import EngineStats
 from cpullm.engine.llm_engine import LLMEngine
 from cpullm.logger import init_logger
 from cpullm.outputs import RequestOutput
@@ -57,20 +59,6 @@ class _Abort:
     request_id: str
 
 
-@dataclass
-class EngineStats:
-    """Scheduler state read by /metrics, refreshed after every step."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_free_blocks: int = 0
-    num_blocks: int = 0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-
-
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[int], None] | None = None) -> None:
         self.engine = engine
@@ -86,6 +74,14 @@ class AsyncEngine:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *args: Any, **kwargs: Any
+                            ) -> str:
+        return self.engine.apply_chat_template(messages, *args, **kwargs)
 
     @property
     def errored(self) -> bool:
@@ -205,10 +201,4 @@ class AsyncEngine:
                 command.sink(EngineDeadError(f"the engine has stopped: {self.dead_error!r}"))
 
     def _update_stats(self) -> None:
-        scheduler = self.engine.scheduler
-        kv = scheduler.kv_cache_manager
-        self.stats = EngineStats(
-            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-            kv_cache_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
-            num_blocks=kv.pool.num_blocks, num_preemptions=scheduler.num_preemptions,
-            prefix_cache_queries=kv.num_queries, prefix_cache_hits=kv.num_hits)
+        self.stats = self.engine.core.stats()

@@ -99,7 +99,7 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
 def build_app(engine: AsyncEngine, served_model_name: str, api_keys: list[str] | None = None,
               log_requests: bool = False) -> FastAPI:
     """The FastAPI app; the caller starts and stops the engine (see ``lifespan``)."""
-    model_config = engine.engine.config.model
+    model_config = engine.config.model
     max_model_len = model_config.max_model_len
     metrics = ServerMetrics(engine, served_model_name)
     completions = ServingCompletion(engine, served_model_name, max_model_len, metrics)

@@ -84,7 +84,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name))
         self.model_name = model_name
-        config = engine.engine.config
+        config = engine.config
         max_model_len = config.model.max_model_len
         token_buckets = buckets_1_2_5(max_model_len)
 

@@ -26,7 +26,7 @@ class ServingChat(ServingBase):
             raise OpenAIError("messages must contain at least one message.", 400, "messages")
         try:
             messages = [m.for_template() for m in request.messages]
-            prompt = self.engine.engine.apply_chat_template(
+            prompt = self.engine.apply_chat_template(
                 messages, request.chat_template, request.add_generation_prompt,
                 request.continue_final_message, **(request.chat_template_kwargs or {}))
         except ValueError as e:

@@ -71,7 +71,7 @@ class ServingBase:
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.metrics = metrics
-        self.vocab_size = engine.engine.config.model.vocab_size
+        self.vocab_size = engine.config.model.vocab_size
         self._warned_fields: set[str] = set()
 
     def check_request(self, request: _SamplingFields) -> None:

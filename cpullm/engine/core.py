@@ -1,0 +1,131 @@
+"""EngineCore: the scheduler and the model runner, one step at a time.
+
+This is the part of the engine that runs the model, and the only part that runs in the
+engine-core process (cpullm/engine/core_proc.py). It knows sequences, not user requests:
+a request with n samples arrives as n EngineCoreRequests, and each step hands back, per
+sequence that moved, an EngineCoreOutput with its new token ids, whether a token stop
+(eos, a stop token id, the length limit) finished it, and the raw logprob rows. Text,
+stop strings and RequestOutputs are the front end's (cpullm/engine/output_processor.py).
+Plain values only, so that both travel between processes as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpullm.config import EngineConfig
+from cpullm.engine.request import Request, RequestStatus
+from cpullm.engine.sched_output import LogprobsLists
+from cpullm.engine.scheduler import Scheduler
+from cpullm.sampling_params import SamplingParams
+from cpullm.worker.model_runner import ModelRunner
+
+
+@dataclass(slots=True)
+class EngineCoreRequest:
+    """One sequence to generate: sent once, when the request arrives."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float  # time.monotonic() when the front end received it
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one step did for one sequence."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" (eos or a stop token id) or "length"
+    stop_reason: int | None = None  # the stop token id that ended it
+    logprobs: LogprobsLists | None = None  # one row per new token
+    # Rows for prompt positions from prompt_logprobs_start on, computed this step.
+    prompt_logprobs: LogprobsLists | None = None
+    prompt_logprobs_start: int = 0
+    num_cached_tokens: int = 0
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+@dataclass
+class EngineStats:
+    """Scheduler state read by /metrics, refreshed after every step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class EngineCore:
+    """``add_request`` sequences, ``step()`` while ``has_unfinished_requests()``."""
+
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int]) -> None:
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        torch.manual_seed(config.model.seed)
+        self.scheduler = Scheduler(config.scheduler, config.cache)
+        self.model_runner = ModelRunner(config, eos_token_ids)
+        self.last_step_num_tokens = 0  # prompt and output tokens computed by the last step
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        sequence = Request(request.request_id, request.prompt_token_ids, request.params,
+                           self.eos_token_ids, self.config.model.max_model_len)
+        sequence.arrival_time = request.arrival_time
+        self.scheduler.add_request(sequence)
+
+    def finish_requests(self, request_ids: list[str],
+                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """End sequences the front end is done with (aborts, stop strings); their KV
+        blocks are freed. Unknown or finished ids are ignored."""
+        self.scheduler.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler = self.scheduler
+        # 1. Schedule.
+        scheduler_output = scheduler.schedule()
+        self.last_step_num_tokens = scheduler_output.num_scheduled_tokens
+        # 2. One forward pass and sampling.
+        runner_output = self.model_runner.execute(scheduler_output)
+        # 3. Prompt logprobs belong to positions from num_computed_tokens, before the update.
+        outputs: dict[str, EngineCoreOutput] = {}
+        for request_id, rows in runner_output.prompt_logprobs.items():
+            start = scheduler.requests[request_id].num_computed_tokens
+            outputs[request_id] = EngineCoreOutput(request_id, [], prompt_logprobs=rows,
+                                                   prompt_logprobs_start=start)
+        # 4. Advance requests; token stops (eos, stop ids, length) end them here.
+        for request in scheduler.update_from_output(scheduler_output,
+                                                    runner_output.sampled_token_ids):
+            output = outputs.get(request.request_id)
+            if output is None:
+                output = outputs[request.request_id] = EngineCoreOutput(request.request_id, [])
+            output.new_token_ids.append(request.output_token_ids[-1])
+            output.logprobs = runner_output.logprobs.get(request.request_id)
+            if request.status.finished:
+                output.finish_reason = request.status.finish_reason
+                output.stop_reason = request.stop_reason  # type: ignore[assignment]
+            output.num_cached_tokens = request.num_cached_tokens
+            output.scheduled_time = request.scheduled_time
+            output.first_token_time = request.first_token_time
+            output.last_token_time = request.last_token_time
+        return list(outputs.values())
+
+    def stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        kv = scheduler.kv_cache_manager
+        return EngineStats(
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            kv_cache_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
+            num_blocks=kv.pool.num_blocks, num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=kv.num_queries, prefix_cache_hits=kv.num_hits)
