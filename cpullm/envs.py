@@ -45,6 +45,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_LOGGING_LEVEL": lambda: os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
     # Bearer key the OpenAI server requires when --api-key is not given.
     "VLLM_API_KEY": lambda: os.environ.get("VLLM_API_KEY"),
+    # 0: the server runs the engine core on a thread of its own process instead of in an
+    # engine-core process.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": lambda: os.environ.get(
+        "VLLM_ENABLE_V1_MULTIPROCESSING", "1") not in ("0", "false", "False"),
 }
 
 

@@ -1,24 +1,29 @@
-"""AsyncEngine: the engine loop on its own thread, behind asyncio queues.
+"""The engine behind the server, with asyncio queues: AsyncMPEngine (the engine core in its
+own process, what ``cpullm serve`` runs) and AsyncEngine (the whole engine on a thread).
 
 The HTTP side hands in plain data (request id, prompt token ids, SamplingParams) and reads
-RequestOutputs from a per-request asyncio queue. The engine thread owns the LLMEngine: it
-takes new requests and aborts from a thread-safe inbox between steps, so no engine state
-is touched from two threads. Moving the loop into a worker process later only replaces
-the inbox and the queues.
+RequestOutputs from a per-request asyncio queue. AsyncEngine's thread owns the LLMEngine:
+it takes new requests and aborts from a thread-safe inbox between steps, so no engine
+state is touched from two threads (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` serves so, and
+tests that inject faults into the engine use it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import queue
+import shutil
 import threading
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from cpullm.config import EngineConfig
-from cpullm.engine.core import EngineStats
-from cpullm.engine.llm_engine import LLMEngine
+from cpullm.engine import core_proc as msg
+from cpullm.engine.core import EngineCoreOutput, EngineStats
+from cpullm.engine.core_proc import CoreProcess
+from cpullm.engine.llm_engine import Frontend, LLMEngine
+from cpullm.engine.output_processor import OutputProcessor
 from cpullm.logger import init_logger
 from cpullm.outputs import RequestOutput
 from cpullm.sampling_params import SamplingParams
@@ -202,3 +207,178 @@ class AsyncEngine:
 
     def _update_stats(self) -> None:
         self.stats = self.engine.core.stats()
+
+
+class AsyncMPEngine:
+    """The engine core in its own process (cpullm/engine/core_proc.py) behind the same
+    interface as AsyncEngine. This process keeps the front end: the tokenizer, the
+    OutputProcessor (text, stop strings, logprobs, RequestOutputs) and the per-request
+    queues, all touched only on the event loop; a task there reads the core's per-step
+    messages, and another watches the process, so that a core that dies fails its
+    requests and /health at once instead of leaving them waiting."""
+
+    _WATCH_INTERVAL = 0.25  # seconds between checks that the core process lives
+
+    def __init__(self, config: EngineConfig, frontend: Frontend) -> None:
+        import atexit
+        import tempfile
+
+        import zmq
+
+        self.config = config
+        self.frontend = frontend
+        self.processor = OutputProcessor(frontend.tokenizer)
+        self.on_step: Callable[[int], None] | None = None
+        self.stats = EngineStats()
+        self.dead_error: BaseException | None = None
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._output: Any = None  # the PULL socket of the core's messages, on the event loop
+        self._stopped = False
+        self._ipc_dir = tempfile.mkdtemp(prefix="cpullm-")
+        self._output_address = f"ipc://{self._ipc_dir}/output"
+        self._zmq = zmq.Context()
+        self._input = self._zmq.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)  # never drop or block: the core reads all
+        self.core = CoreProcess(config, frontend.eos_token_ids,
+                                f"ipc://{self._ipc_dir}/input-0", self._output_address)
+        atexit.register(self.shutdown)
+        try:
+            self.core.wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        self._input.connect(self.core.input_address)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.frontend.tokenizer
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *args: Any, **kwargs: Any
+                            ) -> str:
+        return self.frontend.apply_chat_template(messages, *args, **kwargs)
+
+    def start(self) -> None:
+        """On the event loop that serves requests."""
+        import zmq
+        import zmq.asyncio
+
+        self._output = zmq.asyncio.Context.shadow(self._zmq).socket(zmq.PULL)
+        self._output.bind(self._output_address)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._receive(self._output)),
+                       loop.create_task(self._watch())]
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        for task in self._tasks:
+            task.cancel()
+        if self.core.process.is_alive():
+            self._send([msg.SHUTDOWN])
+        self.core.stop()
+        self._fail(EngineDeadError("the server is shutting down"))
+        if self._output is not None:  # a socket of the shadow context: destroy() misses it
+            self._output.close(linger=0)
+        self._zmq.destroy(linger=0)
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's outputs until it finishes. Cancelling the consumer (a client
+        that went away) aborts the request and frees its KV blocks."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead_error}")
+        self.frontend.check_prompt(prompt_token_ids)
+        sequences = self.processor.add_request(request_id, None, prompt_token_ids, params)
+        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = outputs
+        self._send([msg.ADD, [msg.encode_request(s) for s in sequences]])
+        finished = False
+        try:
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        sequences = self.processor.abort_request(request_id)
+        if sequences and self.dead_error is None:
+            self._send([msg.ABORT, sequences])
+
+    def _send(self, message: list[Any]) -> None:
+        self._input.send(msg.pack(message))
+
+    async def _receive(self, output: Any) -> None:
+        try:
+            while True:
+                self._handle(msg.unpack(await output.recv()))
+        except Exception as e:  # a fault of this side: fail loudly rather than hang requests
+            logger.exception("Reading the engine core's outputs failed; failing all requests")
+            self._fail(EngineDeadError(f"the engine's outputs could not be read: {e!r}"))
+
+    def _handle(self, message: list[Any]) -> None:
+        if message[0] == msg.OUTPUTS:
+            _, num_tokens, stats, outputs = message
+            self.stats = msg.decode_stats(stats)
+            if self.on_step is not None:
+                self.on_step(num_tokens)
+            self._deliver([msg.decode_output(o) for o in outputs])
+        elif message[0] == msg.STATS:
+            self.stats = msg.decode_stats(message[1])
+        elif message[0] == msg.REJECTED:
+            request_id = self.processor.request_of(message[1])
+            if request_id is not None:
+                waiting = self._queues.get(request_id)
+                self.abort(request_id)
+                if waiting is not None:
+                    waiting.put_nowait(ValueError(message[2]))
+        elif message[0] == msg.FAILED:
+            logger.error("The engine core failed: %s; failing all requests", message[1])
+            self._fail(EngineDeadError(f"the engine failed: {message[1]}"))
+
+    def _deliver(self, outputs: list[EngineCoreOutput]) -> None:
+        request_outputs, stopped = self.processor.process(outputs)
+        if stopped:
+            self._send([msg.ABORT, stopped])
+        for request_output in request_outputs:
+            waiting = self._queues.get(request_output.request_id)
+            if waiting is not None:
+                waiting.put_nowait(request_output)
+                if request_output.finished:
+                    del self._queues[request_output.request_id]
+
+    async def _watch(self) -> None:
+        while self.core.exitcode is None:
+            await asyncio.sleep(self._WATCH_INTERVAL)
+        if self.dead_error is None:
+            logger.error("The engine core process exited with code %s; failing all requests",
+                         self.core.exitcode)
+            self._fail(EngineDeadError(
+                f"the engine core process exited unexpectedly (exit code {self.core.exitcode})"))
+
+    def _fail(self, error: EngineDeadError) -> None:
+        if self.dead_error is None:
+            self.dead_error = error
+        for outputs in self._queues.values():
+            outputs.put_nowait(error)
+        self._queues.clear()
+        for request_id in list(self.processor.requests):
+            self.processor.abort_request(request_id)
+
+
+ServingEngine = AsyncEngine | AsyncMPEngine  # what the server's routes run on

@@ -103,6 +103,11 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def request_of(self, sequence_id: str) -> str | None:
+        """The request a sequence belongs to, while it is tracked."""
+        found = self._sample_of.get(sequence_id)
+        return None if found is None else found[0].request_id
+
     def process(self, outputs: list[EngineCoreOutput]
                 ) -> tuple[list[RequestOutput], list[str]]:
         """One step's sequence outputs -> the RequestOutputs to hand out, and the sequences

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server: FastAPI routes over an AsyncEngine."""
+"""The OpenAI-compatible HTTP server: FastAPI routes over the engine, whose core runs in its
+own process."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import cpullm
 from cpullm import envs
-from cpullm.engine.async_engine import AsyncEngine, EngineDeadError
-from cpullm.engine.llm_engine import LLMEngine
+from cpullm.engine.async_engine import AsyncEngine, AsyncMPEngine, EngineDeadError, ServingEngine
+from cpullm.engine.llm_engine import Frontend, LLMEngine
 from cpullm.engine_args import EngineArgs
 from cpullm.entrypoints.openai.metrics import ServerMetrics
 from cpullm.entrypoints.openai.protocol import (
@@ -96,7 +97,8 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     return Response(status_code=499)
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, api_keys: list[str] | None = None,
+def build_app(engine: ServingEngine, served_model_name: str,
+              api_keys: list[str] | None = None,
               log_requests: bool = False) -> FastAPI:
     """The FastAPI app; the caller starts and stops the engine (see ``lifespan``)."""
     model_config = engine.config.model
@@ -224,12 +226,16 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     start = time.perf_counter()
-    engine_args = EngineArgs.from_cli_args(args)
-    llm_engine = LLMEngine.from_engine_args(engine_args)
-    served_name = llm_engine.config.model.served_model_name
-    bind_frontend_thread(list(llm_engine.config.parallel.binding.reserved_cpus))
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    engine: ServingEngine
+    if envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+        engine = AsyncMPEngine(config, Frontend(config))
+    else:
+        engine = AsyncEngine(LLMEngine(config))
+    served_name = config.model.served_model_name
+    bind_frontend_thread(list(config.parallel.binding.reserved_cpus))
     api_keys = args.api_key or ([envs.VLLM_API_KEY] if envs.VLLM_API_KEY else None)
-    app = build_app(AsyncEngine(llm_engine), served_name, api_keys,
+    app = build_app(engine, served_name, api_keys,
                     log_requests=args.enable_log_requests and not args.disable_log_requests)
     logger.info("Engine ready in %.1f s; serving %s on http://%s:%d", time.perf_counter() - start,
                 served_name, args.host, args.port)

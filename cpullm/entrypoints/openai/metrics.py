@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from cpullm.engine.async_engine import AsyncEngine
+from cpullm.engine.async_engine import ServingEngine
 from cpullm.outputs import RequestOutput
 from cpullm.sampling_params import SamplingParams
 
@@ -43,7 +43,7 @@ def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
 class _EngineCollector(Collector):
     """Scheduler gauges, read from the engine's latest stats at scrape time."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: ServingEngine, model_name: str) -> None:
         self.engine = engine
         self.labels = [model_name, _ENGINE]
 
@@ -80,7 +80,7 @@ class ServerMetrics:
     """The server's metric families; request-level ones are recorded as requests finish,
     the tokens of each engine step on the engine thread."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: ServingEngine, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name))
         self.model_name = model_name

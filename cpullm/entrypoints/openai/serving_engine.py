@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from cpullm.engine.async_engine import AsyncEngine, EngineDeadError
+from cpullm.engine.async_engine import EngineDeadError, ServingEngine
 from cpullm.entrypoints.openai.metrics import ServerMetrics
 from cpullm.entrypoints.openai.protocol import Usage, _SamplingFields
 from cpullm.logger import init_logger
@@ -65,7 +65,7 @@ def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
 class ServingBase:
     route = ""  # for log lines
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str, max_model_len: int,
+    def __init__(self, engine: ServingEngine, served_model_name: str, max_model_len: int,
                  metrics: ServerMetrics) -> None:
         self.engine = engine
         self.served_model_name = served_model_name

@@ -1,0 +1,230 @@
+"""The engine core in its own process, and the messages between it and the front end.
+
+``cpullm serve`` runs the EngineCore (scheduler and model runner) in a process of its own,
+started with multiprocessing (spawn), so that the model's compute threads never wait on
+the HTTP process's GIL (event loop, tokenizing, chat templates, detokenizing, JSON). The
+two talk over ZeroMQ sockets on IPC paths, with msgpack-encoded messages:
+
+    front end -> core (PUSH -> PULL, the core binds):
+        [ADD, [request, ...]]     a new sequence, once: id, prompt ids, params, arrival
+        [ABORT, [id, ...]]        sequences to finish: client gone, stop string found
+        [SHUTDOWN]
+    core -> front end (PUSH -> PULL, the front end binds):
+        [OUTPUTS, tokens, stats, [output, ...]]   after each step: per sequence that moved,
+                                                  its new token ids, token stop, logprob rows
+        [STATS, stats]            after commands that left the core idle (aborts freed blocks)
+        [REJECTED, id, message]   a sequence the core could not take
+        [FAILED, message]         a step raised: the core is stopping
+
+Each side connects its sending socket, which ZeroMQ queues on at once, and binds the one it
+receives on, so no send ever blocks on the other side being ready (or gone). The process
+dies with its parent (PR_SET_PDEATHSIG, and a check of the parent's pid when idle).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import signal
+import sys
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgpack
+import zmq
+
+from cpullm.config import EngineConfig
+from cpullm.engine.core import EngineCore, EngineCoreOutput, EngineCoreRequest, EngineStats
+from cpullm.engine.sched_output import LogprobsLists
+from cpullm.logger import init_logger
+from cpullm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = init_logger(__name__)
+
+ADD, ABORT, SHUTDOWN = 0, 1, 2
+OUTPUTS, STATS, REJECTED, FAILED = 0, 1, 2, 3
+
+_PARAM_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
+
+
+def pack(message: list[Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(data: bytes) -> list[Any]:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)  # logit_bias: int keys
+
+
+def encode_request(request: EngineCoreRequest) -> list[Any]:
+    params = [getattr(request.params, name) for name in _PARAM_FIELDS]
+    params[_PARAM_FIELDS.index("output_kind")] = request.params.output_kind.value
+    return [request.request_id, request.prompt_token_ids, params, request.arrival_time]
+
+
+def decode_request(data: list[Any]) -> EngineCoreRequest:
+    request_id, prompt_token_ids, values, arrival_time = data
+    fields = dict(zip(_PARAM_FIELDS, values, strict=True))
+    fields["output_kind"] = RequestOutputKind(fields["output_kind"])
+    return EngineCoreRequest(request_id, prompt_token_ids, SamplingParams(**fields),
+                             arrival_time)
+
+
+def _encode_rows(rows: LogprobsLists | None) -> list[Any] | None:
+    return None if rows is None else [rows.token_ids, rows.logprobs, rows.ranks]
+
+
+def _decode_rows(data: list[Any] | None) -> LogprobsLists | None:
+    return None if data is None else LogprobsLists(*data)
+
+
+def encode_output(output: EngineCoreOutput) -> list[Any]:
+    return [output.request_id, output.new_token_ids, output.finish_reason, output.stop_reason,
+            _encode_rows(output.logprobs), _encode_rows(output.prompt_logprobs),
+            output.prompt_logprobs_start, output.num_cached_tokens, output.scheduled_time,
+            output.first_token_time, output.last_token_time]
+
+
+def decode_output(data: list[Any]) -> EngineCoreOutput:
+    (request_id, new_token_ids, finish_reason, stop_reason, logprobs, prompt_logprobs,
+     prompt_logprobs_start, num_cached_tokens, scheduled_time, first_token_time,
+     last_token_time) = data
+    return EngineCoreOutput(request_id, new_token_ids, finish_reason, stop_reason,
+                            _decode_rows(logprobs), _decode_rows(prompt_logprobs),
+                            prompt_logprobs_start, num_cached_tokens, scheduled_time,
+                            first_token_time, last_token_time)
+
+
+def encode_stats(stats: EngineStats) -> list[Any]:
+    return list(dataclasses.astuple(stats))
+
+
+def decode_stats(data: list[Any]) -> EngineStats:
+    return EngineStats(*data)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent dies (SIGKILL'd servers included)."""
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def run_engine_core(config: EngineConfig, eos_token_ids: set[int], input_address: str,
+                    output_address: str, ready: Connection) -> None:
+    """The engine-core process: load the model, say ready, then serve the sockets."""
+    parent = os.getppid()
+    _die_with_parent()
+    # Ctrl-C in a terminal reaches the whole process group; the front end stops this one.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.bind(input_address)
+    outbox = context.socket(zmq.PUSH)
+    outbox.connect(output_address)
+    try:
+        core = EngineCore(config, eos_token_ids)
+    except BaseException as e:
+        ready.send(("error", f"{type(e).__name__}: {e}"))
+        raise
+    ready.send(("ready", None))
+    ready.close()
+    try:
+        _serve(core, inbox, outbox, parent)
+    finally:
+        outbox.close(linger=1000)  # a FAILED message still goes out
+        inbox.close(linger=0)
+        context.term()
+
+
+def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, parent: int) -> None:
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    while True:
+        # Wait for work only when nothing runs (waking each second to check the parent).
+        timeout = 0 if core.has_unfinished_requests() else 1000
+        commands = False
+        while poller.poll(timeout):
+            timeout = 0
+            message = unpack(inbox.recv())
+            if message[0] == SHUTDOWN:
+                return
+            commands = True
+            if message[0] == ADD:
+                for data in message[1]:
+                    try:
+                        core.add_request(decode_request(data))
+                    except (ValueError, TypeError) as e:
+                        outbox.send(pack([REJECTED, data[0], str(e)]))
+            elif message[0] == ABORT:
+                core.finish_requests(message[1])
+        if not core.has_unfinished_requests():
+            if commands:
+                outbox.send(pack([STATS, encode_stats(core.stats())]))
+            elif os.getppid() != parent:
+                return  # the front end is gone
+            continue
+        try:
+            outputs = core.step()
+        except Exception as e:  # the engine's state is unknown now: stop serving
+            logger.exception("Engine step failed; the engine core stops")
+            outbox.send(pack([FAILED, f"{type(e).__name__}({str(e)!r})"]))
+            raise SystemExit(1) from None
+        outbox.send(pack([OUTPUTS, core.last_step_num_tokens, encode_stats(core.stats()),
+                          [encode_output(o) for o in outputs]]))
+
+
+class CoreProcess:
+    """One engine-core process, from the front end's side: started (spawn, so that no
+    thread or OpenMP state of this process is copied), waited for until its model is
+    loaded, watched, and stopped."""
+
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int], input_address: str,
+                 output_address: str, index: int = 0) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        receiver, sender = context.Pipe(duplex=False)
+        self.input_address = input_address
+        self.process = context.Process(
+            target=run_engine_core, name=f"cpullm-engine-core-{index}",
+            args=(config, eos_token_ids, input_address, output_address, sender))
+        self.process.start()
+        sender.close()
+        self._ready = receiver
+
+    def wait_ready(self) -> None:
+        """Block until the model is loaded; raises RuntimeError if the process failed."""
+        try:
+            while not self._ready.poll(0.2):
+                if not self.process.is_alive():
+                    raise RuntimeError(f"the engine core process exited with code "
+                                       f"{self.process.exitcode} while starting")
+            status, message = self._ready.recv()
+        except EOFError:
+            self.process.join(5)
+            raise RuntimeError(f"the engine core process exited with code "
+                               f"{self.process.exitcode} while starting") from None
+        finally:
+            self._ready.close()
+        if status != "ready":
+            self.process.join(5)
+            raise RuntimeError(f"the engine core failed to start: {message}")
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """After SHUTDOWN was sent: wait for the process, then end it if it lingers."""
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(2)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(2)

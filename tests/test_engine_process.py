@@ -1,0 +1,101 @@
+"""The server's engine core runs in its own process: its death fails requests and /health
+at once, and stopping the server leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from server_utils import RemoteServer
+
+pytestmark = pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task"),
+                                reason="reads child processes from /proc (Linux)")
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read().replace("\0", " ")
+    except FileNotFoundError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie is gone but for its entry
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def _engine_core(server: RemoteServer) -> int:
+    cores = [p for p in _children(server.proc.pid) if "spawn_main" in _cmdline(p)]
+    assert len(cores) == 1, f"one engine-core process expected, children: {cores}"
+    return cores[0]
+
+
+def test_server_runs_the_engine_core_in_a_process_and_sigterm_stops_it(tiny_model):
+    srv = RemoteServer([str(tiny_model("llama")), "--dtype", "float32", "--max-model-len", "512"])
+    try:
+        core = _engine_core(srv)
+        response = httpx.post(f"{srv.url}/v1/completions", timeout=30,
+                              json={"prompt": "Hello", "max_tokens": 5, "temperature": 0})
+        assert response.status_code == 200
+        assert response.json()["usage"]["completion_tokens"] == 5
+        children = _children(srv.proc.pid)
+        assert core in children
+    finally:
+        assert srv.stop() == 0
+    assert _wait_gone(children, 10) == [], "processes left after SIGTERM of the server"
+    assert "spawn_main" not in _cmdline(core)
+
+
+def test_engine_core_death_fails_requests_and_health(tiny_model):
+    srv = RemoteServer([str(tiny_model("llama")), "--dtype", "float32",
+                        "--max-model-len", "1024"])
+    try:
+        core = _engine_core(srv)
+        # A long stream is running when the engine core is killed: its headers went out, so
+        # the failure comes as an SSE error event, and the stream ends.
+        with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=30, json={
+                "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True,
+                "stream": True}) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            killed = time.monotonic()
+            os.kill(core, signal.SIGKILL)
+            rest = "\n".join(lines)
+        assert '"code": 500' in rest and "exit code -9" in rest
+        assert rest.rstrip().endswith("data: [DONE]")
+        assert time.monotonic() - killed < 10
+        health = httpx.get(f"{srv.url}/health", timeout=5)
+        assert health.status_code == 500 and "exit code -9" in health.text
+        # New requests are refused at once, with the reason.
+        for stream in (False, True):
+            response = httpx.post(f"{srv.url}/v1/completions", timeout=10,
+                                  json={"prompt": "hi", "max_tokens": 3, "stream": stream})
+            assert response.status_code == 500
+            assert "exit code -9" in response.json()["error"]["message"]
+    finally:
+        children = _children(srv.proc.pid)
+        assert srv.stop() == 0
+    assert _wait_gone(children, 10) == []
