@@ -6,6 +6,7 @@ changes them. Derived values are properties.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,21 +129,24 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
-    # Which CPUs each rank computes on, and the machine the plan was made for.
+    # Which CPUs each rank computes on (every replica's ranks, replica after replica, until
+    # ``EngineConfig.replica`` keeps one replica's), and the machine the plan was made for.
     binding: BindingPlan = field(default_factory=lambda: BindingPlan("nobind", ()))
     topology: CpuTopology | None = None
+    data_parallel_rank: int = 0  # which replica this config is for
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-            if value > 1:
+            if value > 1 and name != "data_parallel_size":
                 raise ValueError(f"{name}={value}: parallel execution is not supported yet; "
                                  "run with 1")
 
     @property
     def world_size(self) -> int:
+        """Ranks of one replica."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
@@ -152,3 +156,16 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
+
+    def replica(self, rank: int) -> EngineConfig:
+        """The config of data-parallel replica ``rank``: the CPUs of its own ranks only."""
+        parallel = self.parallel
+        if not 0 <= rank < parallel.data_parallel_size:
+            raise ValueError(f"replica {rank} of {parallel.data_parallel_size}")
+        size = parallel.world_size
+        binding = parallel.binding
+        if binding.rank_cpus:
+            binding = dataclasses.replace(
+                binding, rank_cpus=binding.rank_cpus[rank * size:(rank + 1) * size])
+        return dataclasses.replace(self, parallel=dataclasses.replace(
+            parallel, binding=binding, data_parallel_rank=rank))

@@ -95,7 +95,9 @@ class EngineArgs:
                             help="pipeline stages (only 1 in this release)")
         parser.add_argument("--data-parallel-size", "-dp", type=int,
                             default=d.data_parallel_size,
-                            help="engine replicas (only 1 in this release)")
+                            help="engine-core replicas behind one server (cpullm serve), "
+                                 "each with its own cores (a NUMA node each, with auto "
+                                 "binding) and its own KV cache")
         parser.add_argument("--served-model-name", default=d.served_model_name,
                             help="model name in the API; unset: the --model argument")
         parser.add_argument("--chat-template", default=d.chat_template,
@@ -154,7 +156,8 @@ class EngineArgs:
         get_model_class(model_config.architecture)  # an unsupported one fails here, by name
         sizes = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                self.data_parallel_size)  # validates the sizes before planning
-        binding = plan_binding(topology, envs.VLLM_CPU_OMP_THREADS_BIND, sizes.world_size,
+        binding = plan_binding(topology, envs.VLLM_CPU_OMP_THREADS_BIND,
+                               sizes.world_size * sizes.data_parallel_size,
                                envs.VLLM_CPU_NUM_OF_RESERVED_CPU, envs.CPU_VISIBLE_MEMORY_NODES)
         logger.info("Thread binding %s", binding.describe())
         parallel = dataclasses.replace(sizes, binding=binding, topology=topology)
@@ -183,6 +186,8 @@ class EngineArgs:
         block_bytes = model_config.kv_bytes_per_token() * self.block_size
         blocks_per_seq = cdiv(model_config.max_model_len, self.block_size)
         weights = model_config.weight_bytes()
+        # Every data-parallel replica holds the weights and a KV cache of this size.
+        replicas = parallel.data_parallel_size
         available = _available_memory(parallel)
         if self.kv_cache_memory_bytes is not None:
             budget, origin = self.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
@@ -197,15 +202,18 @@ class EngineArgs:
                 (self.max_num_seqs * blocks_per_seq * block_bytes,
                  f"what max_num_seqs={self.max_num_seqs} requests of max_model_len="
                  f"{model_config.max_model_len} tokens can fill"),
-                ((max(0, available - weights) // 2,
-                  "half the memory left after the weights on the NUMA node(s) in use")))
+                ((max(0, available // replicas - weights) // 2,
+                  "half the memory left after the weights on the NUMA node(s) in use"
+                  + (f", per replica of {replicas}" if replicas > 1 else ""))))
             origin = (f"default, {reason}; VLLM_CPU_KVCACHE_SPACE or --kv-cache-memory-bytes "
                       "sets it")
-        if weights + budget > available:
+        if replicas * (weights + budget) > available:
+            per = f" for each of {replicas} replicas" if replicas > 1 else ""
             raise ValueError(
                 f"the weights ({weights / GiB:.2f} GiB) and the KV cache ({budget / GiB:.2f} GiB, "
-                f"{origin}) need {(weights + budget) / GiB:.2f} GiB, but the NUMA node(s) in use "
-                f"have {available / GiB:.2f} GiB available; lower the KV cache size")
+                f"{origin}){per} need {replicas * (weights + budget) / GiB:.2f} GiB, but the "
+                f"NUMA node(s) in use have {available / GiB:.2f} GiB available; lower the KV "
+                "cache size")
         num_blocks = budget // block_bytes
         if num_blocks < blocks_per_seq:
             raise ValueError(

@@ -99,3 +99,51 @@ def test_engine_core_death_fails_requests_and_health(tiny_model):
         children = _children(srv.proc.pid)
         assert srv.stop() == 0
     assert _wait_gone(children, 10) == []
+
+
+def _per_engine(server: RemoteServer, name: str) -> dict[str, float]:
+    values = {}
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith(name + "{") and 'engine="' in line:
+            engine = line.split('engine="')[1].split('"')[0]
+            values[engine] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core per replica")
+def test_data_parallel_replicas_give_the_results_of_one(tiny_model):
+    import asyncio
+
+    import openai
+
+    model = str(tiny_model("llama"))
+    args = [model, "--dtype", "float32", "--max-model-len", "512", "--seed", "0"]
+    prompts = [f"Request {i}: the numbers {' '.join(str(i * j) for j in range(i % 7 + 1))}"
+               for i in range(32)]
+
+    async def run_all(url: str) -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        responses = await asyncio.gather(*[
+            client.completions.create(model=model, prompt=p, max_tokens=12, temperature=0)
+            for p in prompts])
+        await client.close()
+        return [r.choices[0].text for r in responses]
+
+    results = {}
+    for size in (1, 2):
+        srv = RemoteServer([*args, "--data-parallel-size", str(size)])
+        try:
+            if size == 2:
+                assert "rank 0: CPUs 0; rank 1: CPUs 1" in srv.log()
+                assert len([p for p in _children(srv.proc.pid)
+                            if "spawn_main" in _cmdline(p)]) == 2
+            results[size] = asyncio.run(run_all(srv.url))
+            if size == 2:  # both replicas looked up prompts, so both received work
+                queries = _per_engine(srv, "vllm:prefix_cache_queries_total")
+                assert set(queries) == {"0", "1"} and min(queries.values()) > 0, queries
+                srv.wait_idle()
+        finally:
+            children = _children(srv.proc.pid)
+            assert srv.stop() == 0
+        assert _wait_gone(children, 10) == []
+    assert results[2] == results[1]

@@ -11,6 +11,7 @@ tests that inject faults into the engine use it).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import shutil
 import threading
@@ -83,6 +84,10 @@ class AsyncEngine:
     @property
     def config(self) -> EngineConfig:
         return self.engine.config
+
+    @property
+    def replica_stats(self) -> list[EngineStats]:
+        return [self.stats]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *args: Any, **kwargs: Any
                             ) -> str:
@@ -210,14 +215,15 @@ class AsyncEngine:
 
 
 class AsyncMPEngine:
-    """The engine core in its own process (cpullm/engine/core_proc.py) behind the same
-    interface as AsyncEngine. This process keeps the front end: the tokenizer, the
-    OutputProcessor (text, stop strings, logprobs, RequestOutputs) and the per-request
-    queues, all touched only on the event loop; a task there reads the core's per-step
-    messages, and another watches the process, so that a core that dies fails its
-    requests and /health at once instead of leaving them waiting."""
+    """The engine core in its own process (cpullm/engine/core_proc.py), one per
+    data-parallel replica, behind the same interface as AsyncEngine. This process keeps
+    the front end: the tokenizer, the OutputProcessor (text, stop strings, logprobs,
+    RequestOutputs) and the per-request queues, all touched only on the event loop; a task
+    there reads the cores' per-step messages, and another watches the processes, so that a
+    core that dies fails the requests and /health at once instead of leaving them waiting.
+    Each request goes to the replica with the fewest open requests."""
 
-    _WATCH_INTERVAL = 0.25  # seconds between checks that the core process lives
+    _WATCH_INTERVAL = 0.25  # seconds between checks that the core processes live
 
     def __init__(self, config: EngineConfig, frontend: Frontend) -> None:
         import atexit
@@ -229,26 +235,34 @@ class AsyncMPEngine:
         self.frontend = frontend
         self.processor = OutputProcessor(frontend.tokenizer)
         self.on_step: Callable[[int], None] | None = None
-        self.stats = EngineStats()
+        replicas = config.parallel.data_parallel_size
+        self.replica_stats = [EngineStats() for _ in range(replicas)]
         self.dead_error: BaseException | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._replica_of: dict[str, int] = {}  # open request -> the replica running it
+        self._load = [0] * replicas  # open requests per replica
         self._tasks: list[asyncio.Task[None]] = []
-        self._output: Any = None  # the PULL socket of the core's messages, on the event loop
+        self._output: Any = None  # the PULL socket of the cores' messages, on the event loop
         self._stopped = False
         self._ipc_dir = tempfile.mkdtemp(prefix="cpullm-")
         self._output_address = f"ipc://{self._ipc_dir}/output"
         self._zmq = zmq.Context()
-        self._input = self._zmq.socket(zmq.PUSH)
-        self._input.setsockopt(zmq.SNDHWM, 0)  # never drop or block: the core reads all
-        self.core = CoreProcess(config, frontend.eos_token_ids,
-                                f"ipc://{self._ipc_dir}/input-0", self._output_address)
+        # Started together, so that the replicas load their models at the same time.
+        self.cores = [CoreProcess(config.replica(i), frontend.eos_token_ids,
+                                  f"ipc://{self._ipc_dir}/input-{i}", self._output_address)
+                      for i in range(replicas)]
         atexit.register(self.shutdown)
+        self._inputs = []
         try:
-            self.core.wait_ready()
+            for core in self.cores:
+                core.wait_ready()
+                sock = self._zmq.socket(zmq.PUSH)
+                sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block: the core reads all
+                sock.connect(core.input_address)
+                self._inputs.append(sock)
         except BaseException:
             self.shutdown()
             raise
-        self._input.connect(self.core.input_address)
 
     @property
     def tokenizer(self) -> Any:
@@ -257,6 +271,16 @@ class AsyncMPEngine:
     @property
     def errored(self) -> bool:
         return self.dead_error is not None
+
+    @property
+    def stats(self) -> EngineStats:
+        """The replicas' stats, added up."""
+        if len(self.replica_stats) == 1:
+            return self.replica_stats[0]
+        total = EngineStats(**{f.name: sum(getattr(s, f.name) for s in self.replica_stats)
+                               for f in dataclasses.fields(EngineStats)})
+        total.kv_cache_usage = 1.0 - total.num_free_blocks / max(1, total.num_blocks)
+        return total
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *args: Any, **kwargs: Any
                             ) -> str:
@@ -279,9 +303,11 @@ class AsyncMPEngine:
         self._stopped = True
         for task in self._tasks:
             task.cancel()
-        if self.core.process.is_alive():
-            self._send([msg.SHUTDOWN])
-        self.core.stop()
+        for replica, core in enumerate(self.cores):
+            if core.process.is_alive() and replica < len(self._inputs):
+                self._send(replica, [msg.SHUTDOWN])
+        for core in self.cores:
+            core.stop()
         self._fail(EngineDeadError("the server is shutting down"))
         if self._output is not None:  # a socket of the shadow context: destroy() misses it
             self._output.close(linger=0)
@@ -296,9 +322,12 @@ class AsyncMPEngine:
             raise EngineDeadError(f"the engine has stopped: {self.dead_error}")
         self.frontend.check_prompt(prompt_token_ids)
         sequences = self.processor.add_request(request_id, None, prompt_token_ids, params)
+        replica = min(range(len(self.cores)), key=lambda i: (self._load[i], i))
+        self._load[replica] += 1
+        self._replica_of[request_id] = replica
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = outputs
-        self._send([msg.ADD, [msg.encode_request(s) for s in sequences]])
+        self._send(replica, [msg.ADD, [msg.encode_request(s) for s in sequences]])
         finished = False
         try:
             while True:
@@ -316,12 +345,20 @@ class AsyncMPEngine:
 
     def abort(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        replica = self._close(request_id)
         sequences = self.processor.abort_request(request_id)
-        if sequences and self.dead_error is None:
-            self._send([msg.ABORT, sequences])
+        if sequences and replica is not None and self.dead_error is None:
+            self._send(replica, [msg.ABORT, sequences])
 
-    def _send(self, message: list[Any]) -> None:
-        self._input.send(msg.pack(message))
+    def _close(self, request_id: str) -> int | None:
+        """A request is done: its replica has one fewer open request."""
+        replica = self._replica_of.pop(request_id, None)
+        if replica is not None:
+            self._load[replica] -= 1
+        return replica
+
+    def _send(self, replica: int, message: list[Any]) -> None:
+        self._inputs[replica].send(msg.pack(message))
 
     async def _receive(self, output: Any) -> None:
         try:
@@ -332,30 +369,37 @@ class AsyncMPEngine:
             self._fail(EngineDeadError(f"the engine's outputs could not be read: {e!r}"))
 
     def _handle(self, message: list[Any]) -> None:
-        if message[0] == msg.OUTPUTS:
-            _, num_tokens, stats, outputs = message
-            self.stats = msg.decode_stats(stats)
+        kind, replica = message[0], message[1]
+        if kind == msg.OUTPUTS:
+            _, _, num_tokens, stats, outputs = message
+            self.replica_stats[replica] = msg.decode_stats(stats)
             if self.on_step is not None:
                 self.on_step(num_tokens)
-            self._deliver([msg.decode_output(o) for o in outputs])
-        elif message[0] == msg.STATS:
-            self.stats = msg.decode_stats(message[1])
-        elif message[0] == msg.REJECTED:
-            request_id = self.processor.request_of(message[1])
+            self._deliver(replica, [msg.decode_output(o) for o in outputs])
+        elif kind == msg.STATS:
+            self.replica_stats[replica] = msg.decode_stats(message[2])
+        elif kind == msg.REJECTED:
+            request_id = self.processor.request_of(message[2])
             if request_id is not None:
                 waiting = self._queues.get(request_id)
                 self.abort(request_id)
                 if waiting is not None:
-                    waiting.put_nowait(ValueError(message[2]))
-        elif message[0] == msg.FAILED:
-            logger.error("The engine core failed: %s; failing all requests", message[1])
-            self._fail(EngineDeadError(f"the engine failed: {message[1]}"))
+                    waiting.put_nowait(ValueError(message[3]))
+        elif kind == msg.FAILED:
+            logger.error("The engine core%s failed: %s; failing all requests",
+                         self._name(replica), message[2])
+            self._fail(EngineDeadError(f"the engine{self._name(replica)} failed: {message[2]}"))
 
-    def _deliver(self, outputs: list[EngineCoreOutput]) -> None:
+    def _name(self, replica: int) -> str:
+        return f" (replica {replica})" if len(self.cores) > 1 else ""
+
+    def _deliver(self, replica: int, outputs: list[EngineCoreOutput]) -> None:
         request_outputs, stopped = self.processor.process(outputs)
         if stopped:
-            self._send([msg.ABORT, stopped])
+            self._send(replica, [msg.ABORT, stopped])
         for request_output in request_outputs:
+            if request_output.finished:
+                self._close(request_output.request_id)
             waiting = self._queues.get(request_output.request_id)
             if waiting is not None:
                 waiting.put_nowait(request_output)
@@ -363,13 +407,17 @@ class AsyncMPEngine:
                     del self._queues[request_output.request_id]
 
     async def _watch(self) -> None:
-        while self.core.exitcode is None:
+        while True:
+            for replica, core in enumerate(self.cores):
+                if core.exitcode is not None:
+                    if self.dead_error is None:
+                        logger.error("The engine core process%s exited with code %s; failing "
+                                     "all requests", self._name(replica), core.exitcode)
+                        self._fail(EngineDeadError(
+                            f"the engine core process{self._name(replica)} exited unexpectedly "
+                            f"(exit code {core.exitcode})"))
+                    return
             await asyncio.sleep(self._WATCH_INTERVAL)
-        if self.dead_error is None:
-            logger.error("The engine core process exited with code %s; failing all requests",
-                         self.core.exitcode)
-            self._fail(EngineDeadError(
-                f"the engine core process exited unexpectedly (exit code {self.core.exitcode})"))
 
     def _fail(self, error: EngineDeadError) -> None:
         if self.dead_error is None:
@@ -377,6 +425,8 @@ class AsyncMPEngine:
         for outputs in self._queues.values():
             outputs.put_nowait(error)
         self._queues.clear()
+        self._replica_of.clear()
+        self._load = [0] * len(self.cores)
         for request_id in list(self.processor.requests):
             self.processor.abort_request(request_id)
 

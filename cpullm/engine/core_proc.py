@@ -9,12 +9,12 @@ two talk over ZeroMQ sockets on IPC paths, with msgpack-encoded messages:
         [ADD, [request, ...]]     a new sequence, once: id, prompt ids, params, arrival
         [ABORT, [id, ...]]        sequences to finish: client gone, stop string found
         [SHUTDOWN]
-    core -> front end (PUSH -> PULL, the front end binds):
-        [OUTPUTS, tokens, stats, [output, ...]]   after each step: per sequence that moved,
-                                                  its new token ids, token stop, logprob rows
-        [STATS, stats]            after commands that left the core idle (aborts freed blocks)
-        [REJECTED, id, message]   a sequence the core could not take
-        [FAILED, message]         a step raised: the core is stopping
+    core i -> front end (PUSH -> PULL, the front end binds one for every replica):
+        [OUTPUTS, i, tokens, stats, [output, ...]]   after each step: per sequence that
+                                  moved, its new token ids, token stop, logprob rows
+        [STATS, i, stats]         after commands that left the core idle (aborts freed blocks)
+        [REJECTED, i, id, message]   a sequence the core could not take
+        [FAILED, i, message]      a step raised: the core is stopping
 
 Each side connects its sending socket, which ZeroMQ queues on at once, and binds the one it
 receives on, so no send ever blocks on the other side being ready (or gone). The process
@@ -134,14 +134,15 @@ def run_engine_core(config: EngineConfig, eos_token_ids: set[int], input_address
     ready.send(("ready", None))
     ready.close()
     try:
-        _serve(core, inbox, outbox, parent)
+        _serve(core, config.parallel.data_parallel_rank, inbox, outbox, parent)
     finally:
         outbox.close(linger=1000)  # a FAILED message still goes out
         inbox.close(linger=0)
         context.term()
 
 
-def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, parent: int) -> None:
+def _serve(core: EngineCore, index: int, inbox: zmq.Socket, outbox: zmq.Socket,
+           parent: int) -> None:
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     while True:
@@ -159,12 +160,12 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, parent: int)
                     try:
                         core.add_request(decode_request(data))
                     except (ValueError, TypeError) as e:
-                        outbox.send(pack([REJECTED, data[0], str(e)]))
+                        outbox.send(pack([REJECTED, index, data[0], str(e)]))
             elif message[0] == ABORT:
                 core.finish_requests(message[1])
         if not core.has_unfinished_requests():
             if commands:
-                outbox.send(pack([STATS, encode_stats(core.stats())]))
+                outbox.send(pack([STATS, index, encode_stats(core.stats())]))
             elif os.getppid() != parent:
                 return  # the front end is gone
             continue
@@ -172,10 +173,10 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, parent: int)
             outputs = core.step()
         except Exception as e:  # the engine's state is unknown now: stop serving
             logger.exception("Engine step failed; the engine core stops")
-            outbox.send(pack([FAILED, f"{type(e).__name__}({str(e)!r})"]))
+            outbox.send(pack([FAILED, index, f"{type(e).__name__}({str(e)!r})"]))
             raise SystemExit(1) from None
-        outbox.send(pack([OUTPUTS, core.last_step_num_tokens, encode_stats(core.stats()),
-                          [encode_output(o) for o in outputs]]))
+        outbox.send(pack([OUTPUTS, index, core.last_step_num_tokens,
+                          encode_stats(core.stats()), [encode_output(o) for o in outputs]]))
 
 
 class CoreProcess:
@@ -184,14 +185,15 @@ class CoreProcess:
     loaded, watched, and stopped."""
 
     def __init__(self, config: EngineConfig, eos_token_ids: set[int], input_address: str,
-                 output_address: str, index: int = 0) -> None:
+                 output_address: str) -> None:
         import multiprocessing
 
         context = multiprocessing.get_context("spawn")
         receiver, sender = context.Pipe(duplex=False)
         self.input_address = input_address
         self.process = context.Process(
-            target=run_engine_core, name=f"cpullm-engine-core-{index}",
+            target=run_engine_core,
+            name=f"cpullm-engine-core-{config.parallel.data_parallel_rank}",
             args=(config, eos_token_ids, input_address, output_address, sender))
         self.process.start()
         sender.close()

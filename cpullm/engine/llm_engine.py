@@ -106,6 +106,10 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        replicas = config.parallel.data_parallel_size
+        if replicas > 1:
+            raise ValueError(f"data_parallel_size={replicas}: data-parallel replicas run "
+                             "behind `cpullm serve`; an engine in this process is one replica")
         self.config = config
         self.frontend = Frontend(config)
         self.tokenizer = self.frontend.tokenizer

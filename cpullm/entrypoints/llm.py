@@ -88,6 +88,13 @@ class LLM:
         # prompts are tokenized: threads this thread starts later inherit its one CPU, and
         # the tokenizer starts its helper threads on first use.
         engine.model_runner.bind_threads()
+        try:
+            return self._steps(request_ids, use_tqdm)
+        finally:
+            engine.model_runner.release_calling_thread()
+
+    def _steps(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
                    disable=not use_tqdm or len(request_ids) < 2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+import os
 import threading
 import time
 
@@ -99,6 +100,7 @@ class ModelRunner:
         self.sampler = Sampler(model_config.vocab_size, eos_token_ids, ops)
         self.generators: dict[str, torch.Generator] = {}
         self._bound_thread: int | None = None
+        self._caller_affinity: set[int] | None = None  # of the bound thread, before binding
 
     def _binding(self) -> tuple[CpuTopology, list[int]] | None:
         """The topology and the CPUs this rank's compute threads are pinned to; None when
@@ -119,10 +121,22 @@ class ModelRunner:
         if binding is None:
             return
         topology, cpus = binding
+        self._caller_affinity = os.sched_getaffinity(0)
         got = bind_compute_threads(cpus, load_ops())
         prefer_local_memory(topology, cpus)
         logger.info("Compute threads pinned: %s", ", ".join(
             f"thread {i} -> CPU {cpu}" for i, cpu in enumerate(got)))
+
+    def release_calling_thread(self) -> None:
+        """Give the thread that ran the model its CPUs back (``LLM.generate`` calls this as
+        it returns, so that the caller, and a second engine it plans, are not left on one
+        CPU); the next step on it pins it again."""
+        if self._bound_thread != threading.get_ident():
+            return
+        self._bound_thread = None
+        if self._caller_affinity is not None:
+            os.sched_setaffinity(0, self._caller_affinity)
+            self._caller_affinity = None
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -130,6 +130,9 @@ def test_real_machine_threads_pinned_to_plan(tiny_model):
     plan = llm.llm_engine.config.parallel.binding
     assert plan.mode == "auto"
     llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)
+    runner = llm.llm_engine.model_runner
+    runner.bind_threads()  # as generate does before its steps (it releases the caller after)
     pinned = [cpus for cpus in thread_affinities().values() if len(cpus) == 1]
     # one compute thread on each planned CPU, read back from the kernel
     assert sorted(c[0] for c in pinned if c[0] in plan.rank_cpus[0]) == sorted(plan.rank_cpus[0])
+    runner.release_calling_thread()

@@ -16,7 +16,7 @@ from cpullm.outputs import RequestOutput
 from cpullm.sampling_params import SamplingParams
 
 _LABELS = ["model_name", "engine"]
-_ENGINE = "0"  # one engine core per server for now; data parallelism will number them
+_ENGINE = "0"  # the label of request-level metrics (the scheduler's are per replica)
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -41,39 +41,41 @@ def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
 
 
 class _EngineCollector(Collector):
-    """Scheduler gauges, read from the engine's latest stats at scrape time."""
+    """Scheduler gauges and counters, one sample per engine-core replica (label ``engine``,
+    as vLLM numbers its data-parallel engines), read from the latest stats at scrape time."""
 
     def __init__(self, engine: ServingEngine, model_name: str) -> None:
         self.engine = engine
-        self.labels = [model_name, _ENGINE]
+        self.model_name = model_name
 
     def collect(self) -> Iterator[Any]:
-        stats = self.engine.stats
-        for name, doc, value in (
-                ("vllm:num_requests_running", "Requests in model execution batches.",
-                 stats.num_running),
-                ("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
-                 stats.num_waiting),
-                ("vllm:kv_cache_usage_perc", "KV cache usage; 1 means 100 percent.",
-                 stats.kv_cache_usage),
-                ("cpullm:kv_cache_free_blocks", "KV cache blocks not held by any request.",
-                 stats.num_free_blocks),
-                ("cpullm:kv_cache_total_blocks", "KV cache blocks in all.", stats.num_blocks),
-                ("cpullm:engine_dead", "1 once the engine loop has stopped on an error.",
-                 int(self.engine.errored))):
-            gauge = GaugeMetricFamily(name, doc, labels=_LABELS)
-            gauge.add_metric(self.labels, value)
-            yield gauge
-        for name, doc, value in (
-                ("vllm:num_preemptions", "Preemptions of running requests.",
-                 stats.num_preemptions),
-                ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                 stats.prefix_cache_queries),
-                ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                 stats.prefix_cache_hits)):
-            counter = CounterMetricFamily(name, doc, labels=_LABELS)
-            counter.add_metric(self.labels, value)
-            yield counter
+        replicas = list(enumerate(self.engine.replica_stats))
+        dead = int(self.engine.errored)
+        gauges = (
+            ("vllm:num_requests_running", "Requests in model execution batches.",
+             lambda s: s.num_running),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+             lambda s: s.num_waiting),
+            ("vllm:kv_cache_usage_perc", "KV cache usage; 1 means 100 percent.",
+             lambda s: s.kv_cache_usage),
+            ("cpullm:kv_cache_free_blocks", "KV cache blocks not held by any request.",
+             lambda s: s.num_free_blocks),
+            ("cpullm:kv_cache_total_blocks", "KV cache blocks in all.", lambda s: s.num_blocks),
+            ("cpullm:engine_dead", "1 once the engine has stopped on an error.",
+             lambda s: dead))
+        counters = (
+            ("vllm:num_preemptions", "Preemptions of running requests.",
+             lambda s: s.num_preemptions),
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             lambda s: s.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             lambda s: s.prefix_cache_hits))
+        for family, metrics in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, doc, value in metrics:
+                metric = family(name, doc, labels=_LABELS)
+                for replica, stats in replicas:
+                    metric.add_metric([self.model_name, str(replica)], value(stats))
+                yield metric
 
 
 class ServerMetrics:
