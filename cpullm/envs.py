@@ -32,6 +32,17 @@ def _optional_int(name: str) -> int | None:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
+def _optional_bool(name: str) -> bool | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    if value.lower() in ("1", "true", "yes"):
+        return True
+    if value.lower() in ("0", "false", "no"):
+        return False
+    raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+
+
 environment_variables: dict[str, Callable[[], Any]] = {
     # KV cache size in GiB for the CPU backend; unset means a default chosen at startup.
     "VLLM_CPU_KVCACHE_SPACE": lambda: _optional_float("VLLM_CPU_KVCACHE_SPACE"),
@@ -45,10 +56,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_LOGGING_LEVEL": lambda: os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
     # Bearer key the OpenAI server requires when --api-key is not given.
     "VLLM_API_KEY": lambda: os.environ.get("VLLM_API_KEY"),
-    # 0: the server runs the engine core on a thread of its own process instead of in an
-    # engine-core process.
-    "VLLM_ENABLE_V1_MULTIPROCESSING": lambda: os.environ.get(
-        "VLLM_ENABLE_V1_MULTIPROCESSING", "1") not in ("0", "false", "False"),
+    # Whether the engine core runs in a process of its own: 0 keeps it in the calling process
+    # (the server then steps it on a thread), 1 moves it out (also under LLM()). Unset
+    # (None): the server moves it out, LLM() keeps it.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": lambda: _optional_bool("VLLM_ENABLE_V1_MULTIPROCESSING"),
 }
 
 

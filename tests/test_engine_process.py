@@ -147,3 +147,32 @@ def test_data_parallel_replicas_give_the_results_of_one(tiny_model):
             assert srv.stop() == 0
         assert _wait_gone(children, 10) == []
     assert results[2] == results[1]
+
+
+def test_llm_with_the_engine_core_in_a_process_gives_the_same_outputs(tiny_model, monkeypatch):
+    from cpullm import LLM, SamplingParams
+
+    model = str(tiny_model("llama"))
+    prompts = ["Hello, my name is", "The capital of France is", "1, 2, 3,"]
+    params = [SamplingParams(temperature=0, max_tokens=10, logprobs=2),
+              SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=8),
+              SamplingParams(temperature=0, max_tokens=12, stop=[" the", "a"])]
+
+    def run() -> list[tuple]:
+        llm = LLM(model, dtype="float32", max_model_len=256, seed=0)
+        try:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            return [(o.request_id, [(c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason,
+                                     None if c.logprobs is None else
+                                     [sorted(e) for e in c.logprobs]) for c in o.outputs])
+                    for o in outputs]
+        finally:
+            llm.llm_engine.shutdown()
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    in_process = run()
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert run() == in_process
+    # shutdown() stopped the engine-core process
+    cores = [p for p in _children(os.getpid()) if "spawn_main" in _cmdline(p)]
+    assert _wait_gone(cores, 10) == []

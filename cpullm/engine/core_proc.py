@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import shutil
 import signal
 import sys
 from multiprocessing.connection import Connection
@@ -230,3 +231,88 @@ class CoreProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(2)
+
+
+class CoreClient:
+    """An engine core in its own process, driven step by step from this one: what
+    LLMEngine runs under ``VLLM_ENABLE_V1_MULTIPROCESSING=1``. It has EngineCore's
+    methods; ``step()`` returns the next step's outputs, which the process computes on its
+    own while this one processes the previous ones."""
+
+    _POLL_MS = 250  # between checks that the process lives, while waiting for a step
+
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int]) -> None:
+        import atexit
+        import tempfile
+
+        self.config = config
+        self.last_step_num_tokens = 0
+        self._stats = EngineStats()
+        self._unfinished: set[str] = set()
+        self._ipc_dir = tempfile.mkdtemp(prefix="cpullm-")
+        self._zmq = zmq.Context()
+        self._output = self._zmq.socket(zmq.PULL)
+        self._output.bind(f"ipc://{self._ipc_dir}/output")
+        self._input = self._zmq.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._closed = False
+        self.process = CoreProcess(config, eos_token_ids, f"ipc://{self._ipc_dir}/input-0",
+                                   f"ipc://{self._ipc_dir}/output")
+        atexit.register(self.shutdown)
+        try:
+            self.process.wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        self._input.connect(self.process.input_address)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._unfinished.add(request.request_id)
+        self._input.send(pack([ADD, [encode_request(request)]]))
+
+    def finish_requests(self, request_ids: list[str], status: Any = None) -> None:
+        ids = [i for i in request_ids if i in self._unfinished]
+        self._unfinished.difference_update(ids)
+        if ids:
+            self._input.send(pack([ABORT, ids]))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._unfinished)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def step(self) -> list[EngineCoreOutput]:
+        if not self._unfinished:
+            raise RuntimeError("step() with no sequence running in the engine core")
+        while True:
+            if not self._output.poll(self._POLL_MS):
+                if self.process.exitcode is not None:
+                    raise RuntimeError(f"the engine core process exited unexpectedly (exit "
+                                       f"code {self.process.exitcode})")
+                continue
+            message = unpack(self._output.recv())
+            if message[0] == OUTPUTS:
+                _, _, self.last_step_num_tokens, stats, outputs = message
+                self._stats = decode_stats(stats)
+                decoded = [decode_output(o) for o in outputs]
+                self._unfinished.difference_update(o.request_id for o in decoded
+                                                   if o.finish_reason is not None)
+                return decoded
+            if message[0] == STATS:
+                self._stats = decode_stats(message[2])
+            elif message[0] == REJECTED:
+                self._unfinished.discard(message[2])
+                raise ValueError(message[3])
+            elif message[0] == FAILED:
+                raise RuntimeError(f"the engine core failed: {message[2]}")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.process.process.is_alive():
+            self._input.send(pack([SHUTDOWN]))
+        self.process.stop()
+        self._zmq.destroy(linger=0)
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)

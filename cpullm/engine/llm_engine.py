@@ -11,8 +11,10 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING, Any
 
+from cpullm import envs
 from cpullm.config import EngineConfig
 from cpullm.engine.core import EngineCore
+from cpullm.engine.core_proc import CoreClient
 from cpullm.engine.output_processor import OutputProcessor
 from cpullm.engine.request import RequestStatus
 from cpullm.engine_args import EngineArgs
@@ -105,7 +107,9 @@ class LLMEngine:
     stops, 4. new tokens are detokenized, stop strings checked, outputs built.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, multiprocess: bool | None = None) -> None:
+        """``multiprocess``: the engine core in a process of its own (default:
+        ``VLLM_ENABLE_V1_MULTIPROCESSING``, unset meaning no)."""
         replicas = config.parallel.data_parallel_size
         if replicas > 1:
             raise ValueError(f"data_parallel_size={replicas}: data-parallel replicas run "
@@ -114,7 +118,11 @@ class LLMEngine:
         self.frontend = Frontend(config)
         self.tokenizer = self.frontend.tokenizer
         self.eos_token_ids = self.frontend.eos_token_ids
-        self.core = EngineCore(config, self.eos_token_ids)
+        if multiprocess is None:
+            multiprocess = bool(envs.VLLM_ENABLE_V1_MULTIPROCESSING)
+        self.core: EngineCore | CoreClient = (CoreClient(config, self.eos_token_ids)
+                                              if multiprocess
+                                              else EngineCore(config, self.eos_token_ids))
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -124,11 +132,31 @@ class LLMEngine:
 
     @property
     def scheduler(self) -> Scheduler:
-        return self.core.scheduler
+        return self._in_process().scheduler
 
     @property
     def model_runner(self) -> ModelRunner:
-        return self.core.model_runner
+        return self._in_process().model_runner
+
+    def _in_process(self) -> EngineCore:
+        if not isinstance(self.core, EngineCore):
+            raise AttributeError("the engine core runs in its own process")
+        return self.core
+
+    def bind_threads(self) -> None:
+        """Pin the compute threads to the calling thread (the core's process pins its own)."""
+        if isinstance(self.core, EngineCore):
+            self.core.model_runner.bind_threads()
+
+    def release_threads(self) -> None:
+        """Give the calling thread its CPUs back."""
+        if isinstance(self.core, EngineCore):
+            self.core.model_runner.release_calling_thread()
+
+    def shutdown(self) -> None:
+        """Stop the engine core's process, if it has one."""
+        if isinstance(self.core, CoreClient):
+            self.core.shutdown()
 
     @property
     def last_step_num_tokens(self) -> int:

@@ -87,11 +87,11 @@ class LLM:
         # Pinned before the bar starts (its log line would land on the bar), and after the
         # prompts are tokenized: threads this thread starts later inherit its one CPU, and
         # the tokenizer starts its helper threads on first use.
-        engine.model_runner.bind_threads()
+        engine.bind_threads()
         try:
             return self._steps(request_ids, use_tqdm)
         finally:
-            engine.model_runner.release_calling_thread()
+            engine.release_threads()
 
     def _steps(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

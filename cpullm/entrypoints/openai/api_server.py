@@ -228,7 +228,7 @@ def run_server(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     config = EngineArgs.from_cli_args(args).create_engine_config()
     engine: ServingEngine
-    if envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+    if envs.VLLM_ENABLE_V1_MULTIPROCESSING is not False:
         engine = AsyncMPEngine(config, Frontend(config))
     else:
         engine = AsyncEngine(LLMEngine(config))
