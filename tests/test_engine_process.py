@@ -142,6 +142,15 @@ def test_data_parallel_replicas_give_the_results_of_one(tiny_model):
                 queries = _per_engine(srv, "vllm:prefix_cache_queries_total")
                 assert set(queries) == {"0", "1"} and min(queries.values()) > 0, queries
                 srv.wait_idle()
+                # One replica dies: the server says so, naming it, within seconds.
+                cores = sorted(p for p in _children(srv.proc.pid) if "spawn_main" in _cmdline(p))
+                os.kill(cores[1], signal.SIGKILL)
+                deadline = time.monotonic() + 10
+                while httpx.get(f"{srv.url}/health").status_code == 200:
+                    assert time.monotonic() < deadline, "/health still OK"
+                    time.sleep(0.1)
+                health = httpx.get(f"{srv.url}/health").text
+                assert "(replica " in health and "exit code -9" in health
         finally:
             children = _children(srv.proc.pid)
             assert srv.stop() == 0
