@@ -10,6 +10,7 @@ import torch
 
 from cpullm import envs
 from cpullm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from cpullm.engine.kv_cache_manager import PREFIX_CACHING_HASH_ALGOS
 from cpullm.logger import init_logger
 from cpullm.platform import CpuTopology, format_cpu_list, plan_binding, resolve_dtype
 from cpullm.transformers_utils import (
@@ -48,6 +49,7 @@ class EngineArgs:
     block_size: int = 128
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     tensor_parallel_size: int = 1
@@ -86,6 +88,9 @@ class EngineArgs:
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                             default=d.enable_prefix_caching,
                             help="reuse the KV cache of shared prompt prefixes")
+        parser.add_argument("--prefix-caching-hash-algo", default=d.prefix_caching_hash_algo,
+                            help="digest that names a cached block: sha256 (a request's "
+                                 "cache_salt keeps tenants apart)")
         parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                             help="most requests in one step")
         parser.add_argument("--max-num-batched-tokens", type=int,
@@ -187,6 +192,9 @@ class EngineArgs:
 
     def _num_kv_blocks(self, model_config: ModelConfig, parallel: ParallelConfig) -> int:
         CacheConfig.check_block_size(self.block_size)  # before the sizes below use it
+        if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo: {self.prefix_caching_hash_algo!r} is "
+                             f"not supported; supported: {', '.join(PREFIX_CACHING_HASH_ALGOS)}")
         block_bytes = model_config.kv_bytes_per_token() * self.block_size
         blocks_per_seq = cdiv(model_config.max_model_len, self.block_size)
         weights = model_config.weight_bytes()

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+
 from cpullm.engine.kv_cache_manager import KVCacheManager
 from cpullm.engine.request import Request
 from cpullm.sampling_params import SamplingParams
 
 
-def make_request(request_id: str, tokens: list[int]) -> Request:
-    return Request(request_id, tokens, SamplingParams(), eos_token_ids={0}, max_model_len=1024)
+def make_request(request_id: str, tokens: list[int], cache_salt: str | None = None) -> Request:
+    return Request(request_id, tokens, SamplingParams(), eos_token_ids={0}, max_model_len=1024,
+                   cache_salt=cache_salt)
+
+
+def sha256(*parts: bytes) -> bytes:
+    return hashlib.sha256(b"".join(parts)).digest()
 
 
 def check_invariant(manager: KVCacheManager, *requests: Request) -> None:
@@ -47,8 +55,9 @@ def test_prefix_hash_chain_and_sharing():
     assert manager.allocate_slots(a, 10)
     a.num_computed_tokens = 10
     manager.cache_computed_blocks(a, 0)
-    h0 = hash((None, (1, 2, 3, 4)))
-    assert a.block_hashes == [h0, hash((h0, (5, 6, 7, 8)))]
+    # SHA-256 over (no salt | the parent's digest, the block's token ids as int32)
+    h0 = sha256(b"\x00", array("i", [1, 2, 3, 4]).tobytes())
+    assert a.block_hashes == [h0, sha256(h0, array("i", [5, 6, 7, 8]).tobytes())]
     assert manager.pool.cached == {a.block_hashes[0]: 0, a.block_hashes[1]: 1}
 
     b = make_request("b", prompt[:8] + [99, 98, 97])
@@ -87,3 +96,27 @@ def test_eviction_removes_hash():
     assert manager.allocate_slots(b, 8)  # takes both blocks, evicting a's cached block
     assert manager.pool.cached == {}
     assert manager.find_cached_prefix(make_request("c", [1, 2, 3, 4, 5])) == []
+
+
+def test_cache_salt_keeps_prefixes_apart():
+    manager = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(1, 11))
+
+    def cache(request: Request) -> None:
+        assert manager.allocate_slots(request, request.num_tokens)
+        request.num_computed_tokens = request.num_tokens
+        manager.cache_computed_blocks(request, 0)
+
+    salted = make_request("a", prompt, cache_salt="tenant-a")
+    assert manager.find_cached_prefix(salted) == []
+    cache(salted)
+    # Another tenant's salt, and no salt, find nothing; the same salt finds both blocks.
+    assert manager.find_cached_prefix(make_request("b", prompt, cache_salt="tenant-b")) == []
+    assert manager.find_cached_prefix(make_request("c", prompt)) == []
+    assert manager.find_cached_prefix(make_request("d", prompt, cache_salt="tenant-a")) == \
+        salted.block_table[:2]
+    # Unsalted requests share among themselves, and not with salted ones.
+    plain = make_request("e", prompt)
+    cache(plain)
+    assert manager.find_cached_prefix(make_request("f", prompt)) == plain.block_table[:2]
+    assert set(plain.block_table).isdisjoint(salted.block_table)

@@ -44,3 +44,24 @@ def test_bad_environment_values(tiny_model, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-999")
     with pytest.raises(ValueError, match="do not exist"):
         blocks(tiny_model("llama"))
+
+
+def test_prefix_caching_hash_algo(tiny_model):
+    model = tiny_model("llama")
+    assert blocks(model, prefix_caching_hash_algo="sha256") > 0
+    with pytest.raises(ValueError, match="'xxhash' is not supported; supported: sha256"):
+        blocks(model, prefix_caching_hash_algo="xxhash")
+
+
+def test_data_parallel_replicas_share_the_memory(tiny_model, monkeypatch):
+    """Each replica holds the weights and its own KV cache of the size asked for."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    model = tiny_model("llama")
+    args = EngineArgs(model=str(model), dtype="float32", block_size=32, max_model_len=256,
+                      kv_cache_memory_bytes=1 << 20, data_parallel_size=2)
+    config = args.create_engine_config()
+    assert config.cache.num_blocks == (1 << 20) // BLOCK_BYTES  # per replica
+    assert [config.replica(i).parallel.data_parallel_rank for i in (0, 1)] == [0, 1]
+    with pytest.raises(ValueError, match="for each of 2 replicas"):
+        EngineArgs(model=str(model), dtype="float32", block_size=32, max_model_len=256,
+                   kv_cache_memory_bytes=1 << 50, data_parallel_size=2).create_engine_config()

@@ -255,3 +255,29 @@ def test_api_key_and_graceful_shutdown(model_dir):
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", srv.port))
         s.listen()
+
+
+def test_cache_salt_keeps_tenants_prefixes_apart(server, client, model_dir):
+    prompt = [(7 * i) % 500 + 1 for i in range(100)]  # three full 32-token blocks
+
+    def hits_after(salt: str | None) -> float:
+        before = server.metrics()["vllm:prefix_cache_hits_total"]
+        extra = {} if salt is None else {"cache_salt": salt}
+        client.completions.create(model=model_dir, prompt=prompt, max_tokens=1,
+                                  extra_body=extra)
+        return server.metrics()["vllm:prefix_cache_hits_total"] - before
+
+    hits_after("tenant-a")  # computes and caches the prompt under tenant a's salt
+    assert hits_after("tenant-b") == 0  # another tenant finds nothing
+    assert hits_after(None) == 0  # nor does a request without a salt
+    assert hits_after("tenant-a") == 96  # the same tenant finds its three blocks
+    assert hits_after(None) == 96  # unsalted requests share among themselves
+    for bad in ("", "x" * 1025, 5):
+        response = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
+            "model": model_dir, "prompt": "hi", "max_tokens": 1, "cache_salt": bad})
+        assert response.status_code == 400, bad
+        assert response.json()["error"]["param"] == "cache_salt"
+    chat = client.chat.completions.create(
+        model=model_dir, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+        extra_body={"cache_salt": "tenant-a"})
+    assert chat.choices[0].finish_reason == "length"

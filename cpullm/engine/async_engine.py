@@ -23,7 +23,7 @@ from cpullm.config import EngineConfig
 from cpullm.engine import core_proc as msg
 from cpullm.engine.core import EngineCoreOutput, EngineStats
 from cpullm.engine.core_proc import CoreProcess
-from cpullm.engine.llm_engine import Frontend, LLMEngine
+from cpullm.engine.llm_engine import Frontend, LLMEngine, check_cache_salt
 from cpullm.engine.output_processor import OutputProcessor
 from cpullm.logger import init_logger
 from cpullm.outputs import RequestOutput
@@ -55,7 +55,7 @@ def _deliver(items: list[tuple[asyncio.Queue[Any], RequestOutput]]) -> None:
 @dataclass(slots=True)
 class _Add:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt: dict[str, Any]
     params: SamplingParams
     sink: _Sink
 
@@ -107,13 +107,17 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
+                       params: SamplingParams, cache_salt: str | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes. Cancelling the consumer (a client
         that went away) aborts the request and frees its KV blocks."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.dead_error}")
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._inbox.put(_Add(request_id, prompt_token_ids, params,
+        prompt: dict[str, Any] = {"prompt_token_ids": prompt_token_ids}
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt
+        self._inbox.put(_Add(request_id, prompt, params,
                              _Sink(asyncio.get_running_loop(), outputs)))
         finished = False
         try:
@@ -184,9 +188,7 @@ class AsyncEngine:
             self._sinks.pop(command.request_id, None)
             return
         try:
-            self.engine.add_request(command.request_id,
-                                    {"prompt_token_ids": command.prompt_token_ids},
-                                    command.params)
+            self.engine.add_request(command.request_id, command.prompt, command.params)
         except ValueError as e:
             command.sink(e)
             return
@@ -315,13 +317,16 @@ class AsyncMPEngine:
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
+                       params: SamplingParams, cache_salt: str | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes. Cancelling the consumer (a client
         that went away) aborts the request and frees its KV blocks."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.dead_error}")
         self.frontend.check_prompt(prompt_token_ids)
-        sequences = self.processor.add_request(request_id, None, prompt_token_ids, params)
+        check_cache_salt(cache_salt)
+        sequences = self.processor.add_request(request_id, None, prompt_token_ids, params,
+                                               cache_salt)
         replica = min(range(len(self.cores)), key=lambda i: (self._load[i], i))
         self._load[replica] += 1
         self._replica_of[request_id] = replica

@@ -31,6 +31,7 @@ class EngineCoreRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float  # time.monotonic() when the front end received it
+    cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
 
 
 @dataclass(slots=True)
@@ -78,7 +79,8 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         sequence = Request(request.request_id, request.prompt_token_ids, request.params,
-                           self.eos_token_ids, self.config.model.max_model_len)
+                           self.eos_token_ids, self.config.model.max_model_len,
+                           request.cache_salt)
         sequence.arrival_time = request.arrival_time
         self.scheduler.add_request(sequence)
 

@@ -60,15 +60,16 @@ def unpack(data: bytes) -> list[Any]:
 def encode_request(request: EngineCoreRequest) -> list[Any]:
     params = [getattr(request.params, name) for name in _PARAM_FIELDS]
     params[_PARAM_FIELDS.index("output_kind")] = request.params.output_kind.value
-    return [request.request_id, request.prompt_token_ids, params, request.arrival_time]
+    return [request.request_id, request.prompt_token_ids, params, request.arrival_time,
+            request.cache_salt]
 
 
 def decode_request(data: list[Any]) -> EngineCoreRequest:
-    request_id, prompt_token_ids, values, arrival_time = data
+    request_id, prompt_token_ids, values, arrival_time, cache_salt = data
     fields = dict(zip(_PARAM_FIELDS, values, strict=True))
     fields["output_kind"] = RequestOutputKind(fields["output_kind"])
     return EngineCoreRequest(request_id, prompt_token_ids, SamplingParams(**fields),
-                             arrival_time)
+                             arrival_time, cache_salt)
 
 
 def _encode_rows(rows: LogprobsLists | None) -> list[Any] | None:

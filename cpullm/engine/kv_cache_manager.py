@@ -1,13 +1,19 @@
 """KV block bookkeeping in pure Python: block pool, reference counts, prefix cache.
 
 The cache tensors live in the worker; this module only decides which block ids a request
-owns. A full block is identified by ``hash((parent_hash, tuple(token_ids)))``, so equal
-prefixes give equal hash chains. A block's hash is registered only once its KV has been
-computed, and a freed block stays findable by hash until it is handed out again (LRU).
+owns. A full block is identified by a SHA-256 digest of (its parent block's digest, its
+token ids), the first block's also of the request's cache salt, so equal prefixes give
+equal chains and a hit hands out the KV of exactly those tokens (Python's ``hash`` of the
+same tuple, which an attacker can make collide, once found blocks by it). Requests with
+different salts never share a block; requests without one share among themselves. A
+block's digest is registered only once its KV has been computed, and a freed block stays
+findable until it is handed out again (LRU).
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from cpullm.engine.request import Request
@@ -20,8 +26,8 @@ class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # block digest -> block id
         # Free blocks, least recently freed first; dict order is the LRU order.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
@@ -50,7 +56,7 @@ class BlockPool:
         if self.ref_counts[block] == 0:
             self.free_queue[block] = None
 
-    def register(self, block: int, block_hash: int) -> None:
+    def register(self, block: int, block_hash: bytes) -> None:
         if block_hash in self.cached or self.block_hash[block] is not None:
             return  # an identical block is already findable; keep the first
         self.cached[block_hash] = block
@@ -82,8 +88,8 @@ class KVCacheManager:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         for i in range(len(hashes), num_tokens // size):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash((parent, tuple(tokens[i * size:(i + 1) * size]))))
+            hashes.append(block_digest(hashes[-1] if hashes else None,
+                                       tokens[i * size:(i + 1) * size], request.cache_salt))
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Blocks already holding a prefix of the request's tokens. At least one token is
@@ -135,3 +141,20 @@ class KVCacheManager:
         for block in reversed(request.block_table):
             self.pool.free(block)
         request.block_table = []
+
+
+PREFIX_CACHING_HASH_ALGOS = ("sha256",)  # --prefix-caching-hash-algo
+
+
+def block_digest(parent: bytes | None, token_ids: list[int], cache_salt: str | None) -> bytes:
+    """The SHA-256 digest naming a full block: its parent's digest (none for the first
+    block, which takes the salt instead, length-prefixed) and its token ids (int32)."""
+    h = hashlib.sha256()
+    if parent is None:
+        salt = (cache_salt or "").encode()
+        h.update(b"\x00" if cache_salt is None else b"\x01" + len(salt).to_bytes(4, "little")
+                 + salt)
+    else:
+        h.update(parent)
+    h.update(array("i", token_ids).tobytes())
+    return h.digest()

@@ -31,6 +31,17 @@ logger = init_logger(__name__)
 
 Prompt = str | list[int] | dict[str, Any]
 
+MAX_CACHE_SALT_LENGTH = 1024
+
+
+def check_cache_salt(salt: object) -> None:
+    """A cache salt is a non-empty string of at most 1024 characters, or None."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_LENGTH:
+        raise ValueError(f"cache_salt: expected a non-empty string of at most "
+                         f"{MAX_CACHE_SALT_LENGTH} characters")
+
 
 class Frontend:
     """What the side that takes requests needs of the model: its tokenizer and chat
@@ -55,8 +66,18 @@ class Frontend:
                 ids.update(value)
         return ids
 
+    @staticmethod
+    def cache_salt(prompt: Prompt) -> str | None:
+        """A dict prompt's ``cache_salt`` (vLLM's field), checked."""
+        if not isinstance(prompt, dict):
+            return None
+        salt = prompt.get("cache_salt")
+        check_cache_salt(salt)
+        return salt
+
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """A prompt is text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}."""
+        """A prompt is text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}
+        (either with an optional "cache_salt")."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
@@ -175,7 +196,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         text, token_ids = self.frontend.tokenize_prompt(prompt)
         self.frontend.check_prompt(token_ids)
-        for sequence in self.processor.add_request(request_id, text, token_ids, params):
+        salt = self.frontend.cache_salt(prompt)
+        for sequence in self.processor.add_request(request_id, text, token_ids, params, salt):
             self.core.add_request(sequence)
         return request_id
 

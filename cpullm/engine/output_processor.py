@@ -65,7 +65,8 @@ class OutputProcessor:
         self._sample_of: dict[str, tuple[_RequestState, _Sample]] = {}
 
     def add_request(self, request_id: str, prompt: str | None, token_ids: list[int],
-                    params: SamplingParams) -> list[EngineCoreRequest]:
+                    params: SamplingParams, cache_salt: str | None = None
+                    ) -> list[EngineCoreRequest]:
         """Track a request; returns the sequences the core is to run for it."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -86,7 +87,8 @@ class OutputProcessor:
                              0.0 if params.logprobs is not None else None)
             state.samples.append(sample)
             self._sample_of[sequence_id] = (state, sample)
-            sequences.append(EngineCoreRequest(sequence_id, token_ids, child_params, arrival))
+            sequences.append(EngineCoreRequest(sequence_id, token_ids, child_params, arrival,
+                                               cache_salt))
         self.requests[request_id] = state
         return sequences
 

@@ -34,11 +34,12 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids",
                  "max_model_len", "arrival_time", "output_token_ids", "all_token_ids",
                  "num_computed_tokens", "block_table", "block_hashes", "status", "stop_reason",
-                 "num_cached_tokens", "scheduled_time", "first_token_time", "last_token_time")
+                 "num_cached_tokens", "scheduled_time", "first_token_time", "last_token_time",
+                 "cache_salt")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_ids: set[int],
-                 max_model_len: int) -> None:
+                 max_model_len: int, cache_salt: str | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
@@ -55,8 +56,10 @@ class Request:
         # KV of all_token_ids[:num_computed_tokens] is in the cache.
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
-        # Chained hashes of the full blocks of all_token_ids, for prefix caching.
-        self.block_hashes: list[int] = []
+        # Chained digests of the full blocks of all_token_ids, for prefix caching; the first
+        # is also of the salt, so that requests with different salts never share blocks.
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache

@@ -100,6 +100,8 @@ class _SamplingFields(_Refusing):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    # vLLM's: prefix-cache blocks are shared only between requests with the same salt
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
 
     @property
     def usage_at_end(self) -> bool:

@@ -47,7 +47,7 @@ class ServingChat(ServingBase):
         params = self.sampling_params(request, max_tokens,
                                       (request.top_logprobs or 0) if request.logprobs else None)
         response_id = random_id("chatcmpl")
-        stream = self.generate(response_id, token_ids, params)
+        stream = self.generate(response_id, token_ids, params, request.cache_salt)
         if request.stream:
             return self._stream(request, response_id, len(token_ids), stream)
         final: RequestOutput | None = None

@@ -49,7 +49,7 @@ class ServingCompletion(ServingBase):
             for p in params:
                 p.prompt_logprobs = request.logprobs
         response_id = random_id("cmpl")
-        streams = [self.generate(f"{response_id}-{i}", p, sp)
+        streams = [self.generate(f"{response_id}-{i}", p, sp, request.cache_salt)
                    for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
         if request.stream:
             return self._stream(request, response_id, prompts, streams)

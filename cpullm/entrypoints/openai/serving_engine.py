@@ -139,14 +139,14 @@ class ServingBase:
                               "logit_bias")
         return params
 
-    async def generate(self, request_id: str, token_ids: list[int],
-                       params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                       cache_salt: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs for one prompt, with latency metrics recorded on the way."""
         start = last = time.monotonic()
         first = True
         num_tokens = 0
         streaming = params.output_kind == RequestOutputKind.DELTA
-        stream = self.engine.generate(request_id, token_ids, params)
+        stream = self.engine.generate(request_id, token_ids, params, cache_salt)
         try:
             async for output in stream:
                 now = time.monotonic()
