@@ -174,6 +174,23 @@ def test_logit_bias_forces_token(llm):
     assert tokens(llm.generate(PROMPTS[0], params, use_tqdm=False))[0] == [1234] * 3
 
 
+def test_bad_params_are_refused_before_the_engine_runs(llm, monkeypatch):
+    """A token id outside the vocabulary in one request's logit_bias is refused when the
+    requests are added, not raised from the sampler in the middle of a step."""
+    runner = llm.llm_engine.model_runner
+    steps = []
+    execute = runner.execute
+    monkeypatch.setattr(runner, "execute", lambda batch: steps.append(1) or execute(batch))
+    ok = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    bad = SamplingParams(temperature=0, max_tokens=4, logit_bias={10**9: 5.0})
+    with pytest.raises(ValueError, match=r"logit_bias: token ids must be in \[0, "):
+        llm.generate(PROMPTS[:3], [ok, bad, ok], use_tqdm=False)
+    assert steps == []  # refused before any step ran
+    assert_pool_free(llm)  # and nothing is left queued
+    outputs = llm.generate(PROMPTS[:3], [ok, ok, ok], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4, 4]
+
+
 def test_token_id_prompts_and_bad_prompts(llm):
     ids = llm.get_tokenizer().encode(PROMPTS[0])
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

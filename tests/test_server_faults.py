@@ -6,6 +6,7 @@ import threading
 import time
 
 import httpx
+import pytest
 import uvicorn
 from server_utils import free_port
 
@@ -48,6 +49,72 @@ def test_engine_failure_fails_requests_and_health(tiny_model):
             assert "injected fault" in response.json()["error"]["message"]
         health = httpx.get(f"{url}/health")
         assert health.status_code == 500 and "injected fault" in health.text
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("engine_kind", ["thread", "process"])
+def test_a_fault_in_one_request_fails_that_request_only(tiny_model, monkeypatch, engine_kind):
+    """A detokenizer that raises for one request: that request gets a 500 (an SSE error
+    event when streaming); the other requests, /health and the KV pool are unharmed."""
+    from cpullm.engine import detokenizer
+    from cpullm.engine.async_engine import AsyncMPEngine
+    from cpullm.engine.llm_engine import Frontend
+
+    update = detokenizer.IncrementalDetokenizer.update
+
+    def faulty_update(self, new_token_ids, skip_last):  # fault injection: one request's
+        if "BOOM" in self.stop:
+            raise RuntimeError("injected detokenizer fault")
+        return update(self, new_token_ids, skip_last)
+
+    monkeypatch.setattr(detokenizer.IncrementalDetokenizer, "update", faulty_update)
+    args = EngineArgs(model=str(tiny_model("llama")), dtype="float32", block_size=32,
+                      max_model_len=512)
+    if engine_kind == "thread":
+        engine = AsyncEngine(LLMEngine.from_engine_args(args))
+    else:
+        config = args.create_engine_config()
+        engine = AsyncMPEngine(config, Frontend(config))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, "m"), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        results: dict[str, httpx.Response] = {}
+
+        def post(name: str, body: dict) -> None:
+            results[name] = httpx.post(f"{url}/v1/completions", timeout=30, json={
+                "prompt": "Hello there", "max_tokens": 20, "ignore_eos": True, **body})
+
+        posts = [threading.Thread(target=post, args=a) for a in (
+            ("good", {}), ("bad", {"stop": ["BOOM"]}),
+            ("bad_stream", {"stop": ["BOOM"], "stream": True}), ("good_stream", {"stream": True}))]
+        for p in posts:
+            p.start()
+        for p in posts:
+            p.join()
+        assert results["bad"].status_code == 500
+        assert "injected detokenizer fault" in results["bad"].json()["error"]["message"]
+        assert results["bad_stream"].status_code == 200  # headers went out before the fault
+        assert '"code": 500' in results["bad_stream"].text
+        assert results["good"].status_code == 200
+        assert results["good"].json()["usage"]["completion_tokens"] == 20
+        assert results["good_stream"].text.count('"text"') >= 20
+        assert httpx.get(f"{url}/health").status_code == 200
+        deadline = time.monotonic() + 10  # the failed requests' KV blocks come back
+        while True:
+            stats = engine.stats
+            if stats.num_free_blocks == stats.num_blocks and stats.num_running == 0:
+                break
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.05)
     finally:
         server.should_exit = True
         thread.join(timeout=10)

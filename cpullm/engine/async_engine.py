@@ -36,6 +36,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped on an error; no request can be served."""
 
 
+class RequestFailedError(RuntimeError):
+    """One request's processing raised; the engine serves the others on."""
+
+
 @dataclass(slots=True)
 class _Sink:
     """Where one request's outputs go: an asyncio queue owned by an event loop."""
@@ -88,6 +92,10 @@ class AsyncEngine:
     @property
     def replica_stats(self) -> list[EngineStats]:
         return [self.stats]
+
+    @property
+    def frontend(self) -> Frontend:
+        return self.engine.frontend
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *args: Any, **kwargs: Any
                             ) -> str:
@@ -164,7 +172,13 @@ class AsyncEngine:
                 self.on_step(engine.last_step_num_tokens)
             # One wake-up of each event loop per step, not one per request.
             deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any],
-                                                                   RequestOutput]]] = {}
+                                                                   Any]]] = {}
+            for request_id, error in engine.failed.items():
+                logger.error("Request %s failed: %r", request_id, error)
+                sink = self._sinks.pop(request_id, None)
+                if sink is not None:
+                    deliveries.setdefault(sink.loop, []).append(
+                        (sink.queue, RequestFailedError(f"the request failed: {error!r}")))
             for output in outputs:
                 sink = self._sinks.get(output.request_id)
                 if sink is not None:
@@ -324,6 +338,7 @@ class AsyncMPEngine:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.dead_error}")
         self.frontend.check_prompt(prompt_token_ids)
+        self.frontend.check_params(params)
         check_cache_salt(cache_salt)
         sequences = self.processor.add_request(request_id, None, prompt_token_ids, params,
                                                cache_salt)
@@ -399,10 +414,16 @@ class AsyncMPEngine:
         return f" (replica {replica})" if len(self.cores) > 1 else ""
 
     def _deliver(self, replica: int, outputs: list[EngineCoreOutput]) -> None:
-        request_outputs, stopped = self.processor.process(outputs)
-        if stopped:
-            self._send(replica, [msg.ABORT, stopped])
-        for request_output in request_outputs:
+        step = self.processor.process(outputs)
+        if step.to_finish:
+            self._send(replica, [msg.ABORT, step.to_finish])
+        for request_id, error in step.failed.items():
+            logger.error("Request %s failed: %r", request_id, error)
+            self._close(request_id)
+            waiting = self._queues.pop(request_id, None)
+            if waiting is not None:
+                waiting.put_nowait(RequestFailedError(f"the request failed: {error!r}"))
+        for request_output in step.outputs:
             if request_output.finished:
                 self._close(request_output.request_id)
             waiting = self._queues.get(request_output.request_id)

@@ -106,6 +106,14 @@ class Frontend:
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message, **template_kwargs)
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check without the model: token ids in its vocabulary.
+        The offline API and the server both check here, before a request reaches the
+        engine core, where a bad value would fail a whole step."""
+        vocab = self.config.model.vocab_size
+        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
+
     def check_prompt(self, token_ids: list[int]) -> None:
         max_len = self.config.model.max_model_len
         if not token_ids:
@@ -145,6 +153,7 @@ class LLMEngine:
                                               if multiprocess
                                               else EngineCore(config, self.eos_token_ids))
         self.processor = OutputProcessor(self.tokenizer)
+        self.failed: dict[str, Exception] = {}  # by the last step: request id -> error
         self._ids = itertools.count()
 
     @classmethod
@@ -196,6 +205,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         text, token_ids = self.frontend.tokenize_prompt(prompt)
         self.frontend.check_prompt(token_ids)
+        self.frontend.check_params(params)
         salt = self.frontend.cache_salt(prompt)
         for sequence in self.processor.add_request(request_id, text, token_ids, params, salt):
             self.core.add_request(sequence)
@@ -209,6 +219,9 @@ class LLMEngine:
         return self.processor.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        outputs, stopped = self.processor.process(self.core.step())
-        self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return outputs
+        """One step's RequestOutputs. Requests whose processing raised are dropped (their
+        KV freed) and listed with their errors in ``failed`` until the next step."""
+        step = self.processor.process(self.core.step())
+        self.core.finish_requests(step.to_finish, RequestStatus.FINISHED_STOPPED)
+        self.failed = step.failed
+        return step.outputs

@@ -40,6 +40,15 @@ class _Sample:
 
 
 @dataclass
+class ProcessedStep:
+    """What the front end made of one step."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    to_finish: list[str] = field(default_factory=list)  # sequences for the core to end
+    failed: dict[str, Exception] = field(default_factory=dict)  # request id -> its error
+
+
+@dataclass
 class _RequestState:
     """A user request: its prompt and its n samples."""
 
@@ -110,48 +119,66 @@ class OutputProcessor:
         found = self._sample_of.get(sequence_id)
         return None if found is None else found[0].request_id
 
-    def process(self, outputs: list[EngineCoreOutput]
-                ) -> tuple[list[RequestOutput], list[str]]:
-        """One step's sequence outputs -> the RequestOutputs to hand out, and the sequences
-        that stop strings ended (still running in the core)."""
+    def process(self, outputs: list[EngineCoreOutput]) -> ProcessedStep:
+        """One step's sequence outputs -> the RequestOutputs to hand out, the sequences the
+        core is to finish (ended by stop strings, or of failed requests), and the requests
+        that failed. An exception while processing one request (its detokenizer, its
+        logprobs) fails that request alone."""
+        step = ProcessedStep()
         progressed: dict[str, _RequestState] = {}
-        stopped: list[str] = []
         for output in outputs:
             found = self._sample_of.get(output.request_id)
             if found is None:
-                continue  # aborted, or ended by a stop string a step ago
+                continue  # aborted, failed, or ended by a stop string a step ago
             state, sample = found
-            if output.prompt_logprobs is not None:
-                self._add_prompt_logprobs(state, output.prompt_logprobs_start,
-                                          output.prompt_logprobs)
-            if not output.new_token_ids or sample.finish_reason is not None:
-                continue
-            if output.logprobs is not None:
-                self._add_logprobs(sample, output.logprobs)
-            sample.token_ids.extend(output.new_token_ids)
-            stopped_by_token = output.finish_reason == "stop"
-            stop_str = sample.detokenizer.update(output.new_token_ids, skip_last=stopped_by_token)
-            if output.finish_reason is not None:
-                sample.finish_reason = output.finish_reason
-                sample.stop_reason = output.stop_reason
-            elif stop_str is not None:
-                sample.finish_reason = "stop"
-                sample.stop_reason = stop_str
-                stopped.append(sample.sequence_id)
-            if sample.index == 0:
-                state.num_cached_tokens = output.num_cached_tokens
-                state.scheduled_time = output.scheduled_time
-            sample.first_token_time = output.first_token_time
-            sample.last_token_time = output.last_token_time
-            progressed[state.request_id] = state
-        request_outputs = []
+            try:
+                if self._apply(state, sample, output, step.to_finish):
+                    progressed[state.request_id] = state
+            except Exception as e:  # noqa: BLE001 - the request fails, the step goes on
+                self._fail(state, e, step)
+                progressed.pop(state.request_id, None)
         for state in progressed.values():
-            request_output = self._make_output(state)
+            try:
+                request_output = self._make_output(state)
+            except Exception as e:  # noqa: BLE001
+                self._fail(state, e, step)
+                continue
             if request_output is not None:
-                request_outputs.append(request_output)
+                step.outputs.append(request_output)
             if state.finished:
                 self.abort_request(state.request_id)  # done: forget it
-        return request_outputs, stopped
+        return step
+
+    def _fail(self, state: _RequestState, error: Exception, step: ProcessedStep) -> None:
+        step.failed[state.request_id] = error
+        step.to_finish.extend(self.abort_request(state.request_id))
+
+    def _apply(self, state: _RequestState, sample: _Sample, output: EngineCoreOutput,
+               to_finish: list[str]) -> bool:
+        """One sequence's output into its sample; True if the sample got new tokens."""
+        if output.prompt_logprobs is not None:
+            self._add_prompt_logprobs(state, output.prompt_logprobs_start,
+                                      output.prompt_logprobs)
+        if not output.new_token_ids or sample.finish_reason is not None:
+            return False
+        if output.logprobs is not None:
+            self._add_logprobs(sample, output.logprobs)
+        sample.token_ids.extend(output.new_token_ids)
+        stopped_by_token = output.finish_reason == "stop"
+        stop_str = sample.detokenizer.update(output.new_token_ids, skip_last=stopped_by_token)
+        if output.finish_reason is not None:
+            sample.finish_reason = output.finish_reason
+            sample.stop_reason = output.stop_reason
+        elif stop_str is not None:
+            sample.finish_reason = "stop"
+            sample.stop_reason = stop_str
+            to_finish.append(sample.sequence_id)
+        if sample.index == 0:
+            state.num_cached_tokens = output.num_cached_tokens
+            state.scheduled_time = output.scheduled_time
+        sample.first_token_time = output.first_token_time
+        sample.last_token_time = output.last_token_time
+        return True
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

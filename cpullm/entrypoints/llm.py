@@ -101,7 +101,11 @@ class LLM:
         num_prompt_tokens = num_output_tokens = 0
         with logging_to_tqdm():
             while engine.has_unfinished_requests():
-                for output in engine.step():
+                step_outputs = engine.step()
+                if engine.failed:
+                    request_id, error = next(iter(engine.failed.items()))
+                    raise RuntimeError(f"request {request_id} failed: {error!r}") from error
+                for output in step_outputs:
                     if not output.finished:
                         continue
                     finished[output.request_id] = output

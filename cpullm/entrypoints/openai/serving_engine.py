@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from cpullm.engine.async_engine import EngineDeadError, ServingEngine
+from cpullm.engine.async_engine import EngineDeadError, RequestFailedError, ServingEngine
 from cpullm.entrypoints.openai.metrics import ServerMetrics
 from cpullm.entrypoints.openai.protocol import Usage, _SamplingFields
 from cpullm.logger import init_logger
@@ -134,9 +134,10 @@ class ServingBase:
             params = request.to_sampling_params(max_tokens, logprobs, request.stream)
         except ValueError as e:
             raise OpenAIError.from_value_error(e) from None
-        if params.logit_bias and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
-            raise OpenAIError(f"logit_bias: token ids must be in [0, {self.vocab_size}).", 400,
-                              "logit_bias")
+        try:
+            self.engine.frontend.check_params(params)
+        except ValueError as e:
+            raise OpenAIError.from_value_error(e) from None
         return params
 
     async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams,
@@ -168,7 +169,7 @@ class ServingBase:
                 yield output
         except ValueError as e:
             raise OpenAIError.from_value_error(e) from None
-        except EngineDeadError as e:
+        except (EngineDeadError, RequestFailedError) as e:
             raise OpenAIError(str(e), 500) from None
         finally:
             await stream.aclose()
