@@ -53,6 +53,15 @@ def resolve_model(model: str | None) -> ModelSource:
         return ModelSource(str(path.parent), path.name)
     if path.is_dir():
         if (path / "config.json").is_file():
+            if not any(path.glob("*.safetensors")):
+                pickled = sorted(p.name for p in path.glob("*")
+                                 if p.suffix in (".bin", ".pt", ".pth"))
+                if pickled:
+                    raise ValueError(
+                        f"model: {model} has its weights only as PyTorch pickle files "
+                        f"({', '.join(pickled)}); cpullm loads safetensors and GGUF only, "
+                        "since loading a pickle can run code from the file. Convert them "
+                        "to safetensors (transformers' save_pretrained does) and try again")
             return ModelSource(str(path))
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
         if len(ggufs) == 1:

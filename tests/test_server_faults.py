@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -16,6 +18,25 @@ from cpullm.engine_args import EngineArgs
 from cpullm.entrypoints.openai.api_server import build_app
 
 
+@contextlib.contextmanager
+def serving(engine) -> Iterator[str]:
+    """The real app over ``engine``, on uvicorn in a thread of this process (so that faults
+    can be injected into the engine); yields its URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, "m"), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
 def test_engine_failure_fails_requests_and_health(tiny_model):
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=str(tiny_model("llama")), dtype="float32", block_size=32, max_model_len=512))
@@ -24,16 +45,7 @@ def test_engine_failure_fails_requests_and_health(tiny_model):
         raise RuntimeError("injected fault")
 
     engine.model_runner.execute = broken_forward
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(AsyncEngine(engine), "m"),
-                                           host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
+    with serving(AsyncEngine(engine)) as url:
         assert httpx.get(f"{url}/health").status_code == 200
         # A stream's headers go out before the failure: its error comes as an SSE event.
         response = httpx.post(f"{url}/v1/completions", timeout=10,
@@ -49,9 +61,6 @@ def test_engine_failure_fails_requests_and_health(tiny_model):
             assert "injected fault" in response.json()["error"]["message"]
         health = httpx.get(f"{url}/health")
         assert health.status_code == 500 and "injected fault" in health.text
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.mark.parametrize("engine_kind", ["thread", "process"])
@@ -77,16 +86,7 @@ def test_a_fault_in_one_request_fails_that_request_only(tiny_model, monkeypatch,
     else:
         config = args.create_engine_config()
         engine = AsyncMPEngine(config, Frontend(config))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, "m"), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
+    with serving(engine) as url:
         results: dict[str, httpx.Response] = {}
 
         def post(name: str, body: dict) -> None:
@@ -115,6 +115,3 @@ def test_a_fault_in_one_request_fails_that_request_only(tiny_model, monkeypatch,
                 break
             assert time.monotonic() < deadline, stats
             time.sleep(0.05)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)

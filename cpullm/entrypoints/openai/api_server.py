@@ -45,10 +45,15 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error.body(), status_code=status)
 
 
+# Routes that touch the model or reveal what it says need the API key; /health, /metrics,
+# /version and / stay open (load balancers and scrapers call them).
+_GUARDED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+
+
 class _ApiKeyCheck:
-    """Requires ``Authorization: Bearer <key>``, one of the keys, on /v1 routes. A plain
-    ASGI middleware: streamed responses pass through untouched (a decorator middleware
-    would copy every server-sent event through an extra task and stream)."""
+    """Requires ``Authorization: Bearer <key>``, one of the keys, on the guarded routes. A
+    plain ASGI middleware: streamed responses pass through untouched (a decorator
+    middleware would copy every server-sent event through an extra task and stream)."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], api_keys: list[str]) -> None:
         self.app = app
@@ -56,13 +61,55 @@ class _ApiKeyCheck:
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Awaitable[Any]],
                        send: Callable[..., Awaitable[None]]) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(_GUARDED_PREFIXES):
             given = dict(scope["headers"]).get(b"authorization", b"")
             # every key compared, so the time taken does not tell which one was close
             if sum(hmac.compare_digest(given, key) for key in self.expected) == 0:
                 await _error(401, "Invalid or missing API key.")(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _BodyLimit:
+    """Refuses request bodies over ``limit`` bytes with a 413, before any of it is parsed:
+    at once from Content-Length, else (chunked bodies) as the bytes arrive. The body read
+    here is handed on to the app as one piece."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Awaitable[Any]],
+                       send: Callable[..., Awaitable[None]]) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        too_large = _error(413, f"The request body is larger than {self.limit} bytes.")
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await too_large(scope, receive, send)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            body += message.get("body", b"")
+            if len(body) > self.limit:
+                await too_large(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # later calls: the client's disconnect
+
+        await self.app(scope, replay, send)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -97,9 +144,14 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     return Response(status_code=499)
 
 
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
+
+
 def build_app(engine: ServingEngine, served_model_name: str,
               api_keys: list[str] | None = None,
-              log_requests: bool = False) -> FastAPI:
+              log_requests: bool = False,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              allowed_origins: list[str] | None = None) -> FastAPI:
     """The FastAPI app; the caller starts and stops the engine (see ``lifespan``)."""
     model_config = engine.config.model
     max_model_len = model_config.max_model_len
@@ -136,8 +188,15 @@ def build_app(engine: ServingEngine, served_model_name: str,
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return _error(500, str(exc))
 
+    # Added last runs first: CORS (only when origins are given), the key, the body limit.
+    app.add_middleware(_BodyLimit, limit=max_request_body_bytes)
     if api_keys:
         app.add_middleware(_ApiKeyCheck, api_keys=api_keys)
+    if allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.get("/")
     async def root() -> dict[str, Any]:
@@ -236,7 +295,9 @@ def run_server(args: argparse.Namespace) -> int:
     bind_frontend_thread(list(config.parallel.binding.reserved_cpus))
     api_keys = args.api_key or ([envs.VLLM_API_KEY] if envs.VLLM_API_KEY else None)
     app = build_app(engine, served_name, api_keys,
-                    log_requests=args.enable_log_requests and not args.disable_log_requests)
+                    log_requests=args.enable_log_requests and not args.disable_log_requests,
+                    max_request_body_bytes=args.max_request_body_bytes,
+                    allowed_origins=args.allowed_origins)
     logger.info("Engine ready in %.1f s; serving %s on http://%s:%d", time.perf_counter() - start,
                 served_name, args.host, args.port)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal to the handler

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from cpullm.engine_args import SERVE_DEFAULTS, EngineArgs
 
@@ -18,6 +19,23 @@ environment variables (vLLM CPU's names and meanings):
 Every flag and variable, with the rules behind the defaults: docs/configuration.md"""
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _origins(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of origins, got {text!r}")
+    return value
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="model folder or GGUF file, the same as --model")
@@ -26,6 +44,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--api-key", nargs="+", default=None,
                         help="require one of these bearer keys on /v1 routes; unset: "
                         "VLLM_API_KEY, or no key")
+    parser.add_argument("--max-request-body-bytes", type=_positive_int, default=32 << 20,
+                        help="larger request bodies get a 413 (default 32 MiB)")
+    parser.add_argument("--allowed-origins", type=_origins, default=None,
+                        help='CORS: origins allowed to call the API from a browser, a JSON '
+                             'list (\'["https://app.example"]\', \'["*"]\'); unset: no CORS')
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="log level of the HTTP server")

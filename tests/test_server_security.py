@@ -1,0 +1,104 @@
+"""The server's guards: the API key on every route that touches the model, a request body
+limit, CORS only when asked for, chat templates in a sandbox, no pickle weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import pytest
+from server_utils import RemoteServer
+
+KEY = {"Authorization": "Bearer sekret"}
+ORIGIN = "https://app.example"
+# A template that reaches from a string to Python's internals, as a hostile one would.
+HOSTILE_TEMPLATE = "{{ ''.__class__.__mro__[1].__subclasses__() }}{{ messages[0]['content'] }}"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "hostile.jinja"
+    template.write_text(HOSTILE_TEMPLATE)
+    srv = RemoteServer([str(tiny_model("llama")), "--dtype", "float32", "--max-model-len", "512",
+                        "--api-key", "sekret", "--max-request-body-bytes", "4096",
+                        "--allowed-origins", json.dumps([ORIGIN]),
+                        "--chat-template", str(template)])
+    yield srv
+    srv.stop()
+
+
+def test_api_key_guards_the_model_routes_only(server):
+    for method, path, body in (("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1}),
+                               ("GET", "/v1/models", None),
+                               ("POST", "/tokenize", {"prompt": "x"}),
+                               ("POST", "/detokenize", {"tokens": [1, 2]})):
+        denied = httpx.request(method, f"{server.url}{path}", json=body)
+        assert denied.status_code == 401, path
+        allowed = httpx.request(method, f"{server.url}{path}", json=body, headers=KEY)
+        assert allowed.status_code == 200, (path, allowed.text)
+    for path in ("/health", "/metrics", "/version"):  # open, as documented
+        assert httpx.get(f"{server.url}{path}").status_code == 200
+
+
+def test_request_body_limit(server):
+    big = {"prompt": "x" * 5000, "max_tokens": 1}
+    response = httpx.post(f"{server.url}/v1/completions", json=big, headers=KEY)
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == 413
+
+    def chunks():  # no Content-Length: the limit holds as the bytes arrive
+        yield b'{"prompt": "'
+        for _ in range(10):
+            yield b"x" * 1000
+        yield b'", "max_tokens": 1}'
+
+    response = httpx.post(f"{server.url}/v1/completions", content=chunks(),
+                          headers={**KEY, "Content-Type": "application/json"})
+    assert response.status_code == 413
+    small = httpx.post(f"{server.url}/v1/completions", headers=KEY,
+                       json={"prompt": "x" * 100, "max_tokens": 1})
+    assert small.status_code == 200
+
+
+def test_cors_only_for_the_allowed_origins(server):
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    response = httpx.options(f"{server.url}/v1/completions", headers=preflight)
+    assert response.headers.get("access-control-allow-origin") == ORIGIN
+    response = httpx.options(f"{server.url}/v1/completions",
+                             headers={**preflight, "Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in response.headers
+
+
+def test_cors_is_off_by_default(tiny_model):
+    srv = RemoteServer([str(tiny_model("llama")), "--dtype", "float32", "--max-model-len", "512"])
+    try:
+        response = httpx.post(f"{srv.url}/v1/completions", headers={"Origin": ORIGIN},
+                              json={"prompt": "x", "max_tokens": 1})
+        assert response.status_code == 200
+        assert "access-control-allow-origin" not in response.headers
+    finally:
+        srv.stop()
+
+
+def test_a_hostile_chat_template_fails_cleanly(server):
+    response = httpx.post(f"{server.url}/v1/chat/completions", headers=KEY, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "chat template failed" in error["message"]
+    assert "is unsafe" in error["message"]  # the sandbox refused the attribute
+    assert "Traceback" not in response.text and "/site-packages/" not in response.text
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_pickle_weights_are_refused(tiny_model, tmp_path):
+    from cpullm.engine_args import EngineArgs
+
+    folder = tmp_path / "pickled"
+    shutil.copytree(tiny_model("llama"), folder)
+    for weights in folder.glob("*.safetensors"):
+        weights.rename(weights.with_name("pytorch_model.bin"))
+    with pytest.raises(ValueError, match=r"only as PyTorch pickle files \(pytorch_model.bin\)"):
+        EngineArgs(model=str(folder), dtype="float32").create_engine_config()
