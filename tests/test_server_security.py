@@ -102,3 +102,36 @@ def test_pickle_weights_are_refused(tiny_model, tmp_path):
         weights.rename(weights.with_name("pytorch_model.bin"))
     with pytest.raises(ValueError, match=r"only as PyTorch pickle files \(pytorch_model.bin\)"):
         EngineArgs(model=str(folder), dtype="float32").create_engine_config()
+
+
+def test_overload_is_refused_at_once_with_503(tiny_model):
+    import threading
+
+    srv = RemoteServer([str(tiny_model("llama")), "--dtype", "float32", "--max-model-len", "512",
+                        "--max-num-seqs", "2", "--max-waiting-requests", "1"])
+    try:
+        responses: list[httpx.Response] = []
+
+        def post() -> None:
+            responses.append(httpx.post(f"{srv.url}/v1/completions", timeout=60, json={
+                "prompt": "Hello", "max_tokens": 400, "ignore_eos": True}))
+
+        clients = [threading.Thread(target=post) for _ in range(8)]
+        for client in clients:
+            client.start()
+        for client in clients:
+            client.join()
+        refused = [r for r in responses if r.status_code == 503]
+        served = [r for r in responses if r.status_code == 200]
+        assert len(served) >= 3 and refused and len(served) + len(refused) == 8
+        for response in refused:
+            assert response.headers["retry-after"] == "1"
+            assert response.json()["error"]["code"] == 503
+            assert "at capacity" in response.json()["error"]["message"]
+        assert all(r.json()["usage"]["completion_tokens"] == 400 for r in served)
+        metrics = srv.wait_idle()
+        assert metrics["cpullm:requests_rejected_overload_total"] == len(refused)
+        assert httpx.post(f"{srv.url}/v1/completions", timeout=30,
+                          json={"prompt": "Hello", "max_tokens": 2}).status_code == 200
+    finally:
+        srv.stop()

@@ -78,6 +78,7 @@ class AsyncEngine:
         self.dead_error: BaseException | None = None
         self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
+        self.num_open_requests = 0  # generate() calls not finished (event-loop side)
         self._thread: threading.Thread | None = None
         self._update_stats()
 
@@ -127,6 +128,7 @@ class AsyncEngine:
             prompt["cache_salt"] = cache_salt
         self._inbox.put(_Add(request_id, prompt, params,
                              _Sink(asyncio.get_running_loop(), outputs)))
+        self.num_open_requests += 1
         finished = False
         try:
             while True:
@@ -139,6 +141,7 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
+            self.num_open_requests -= 1
             if not finished:
                 self._inbox.put(_Abort(request_id))
 
@@ -257,6 +260,7 @@ class AsyncMPEngine:
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._replica_of: dict[str, int] = {}  # open request -> the replica running it
         self._load = [0] * replicas  # open requests per replica
+        self.num_open_requests = 0  # generate() calls not finished
         self._tasks: list[asyncio.Task[None]] = []
         self._output: Any = None  # the PULL socket of the cores' messages, on the event loop
         self._stopped = False
@@ -348,6 +352,7 @@ class AsyncMPEngine:
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = outputs
         self._send(replica, [msg.ADD, [msg.encode_request(s) for s in sequences]])
+        self.num_open_requests += 1
         finished = False
         try:
             while True:
@@ -360,6 +365,7 @@ class AsyncMPEngine:
                 if finished:
                     return
         finally:
+            self.num_open_requests -= 1
             if not finished:
                 self.abort(request_id)
 

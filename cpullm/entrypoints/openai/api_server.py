@@ -151,13 +151,16 @@ def build_app(engine: ServingEngine, served_model_name: str,
               api_keys: list[str] | None = None,
               log_requests: bool = False,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              allowed_origins: list[str] | None = None) -> FastAPI:
+              allowed_origins: list[str] | None = None,
+              max_waiting_requests: int | None = None) -> FastAPI:
     """The FastAPI app; the caller starts and stops the engine (see ``lifespan``)."""
     model_config = engine.config.model
     max_model_len = model_config.max_model_len
     metrics = ServerMetrics(engine, served_model_name)
-    completions = ServingCompletion(engine, served_model_name, max_model_len, metrics)
-    chat = ServingChat(engine, served_model_name, max_model_len, metrics)
+    max_open = None if max_waiting_requests is None else \
+        engine.config.scheduler.max_num_seqs + max_waiting_requests
+    completions = ServingCompletion(engine, served_model_name, max_model_len, metrics, max_open)
+    chat = ServingChat(engine, served_model_name, max_model_len, metrics, max_open)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -173,7 +176,7 @@ def build_app(engine: ServingEngine, served_model_name: str,
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -276,7 +279,7 @@ async def _respond(create: Awaitable[dict[str, Any] | AsyncIterator[str]], reque
     try:
         return await respond(request, await create)
     except OpenAIError as e:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
     except EngineDeadError as e:
         return _error(500, str(e))
 
@@ -297,7 +300,10 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(engine, served_name, api_keys,
                     log_requests=args.enable_log_requests and not args.disable_log_requests,
                     max_request_body_bytes=args.max_request_body_bytes,
-                    allowed_origins=args.allowed_origins)
+                    allowed_origins=args.allowed_origins,
+                    max_waiting_requests=(args.max_waiting_requests
+                                          if args.max_waiting_requests is not None
+                                          else 8 * config.scheduler.max_num_seqs))
     logger.info("Engine ready in %.1f s; serving %s on http://%s:%d", time.perf_counter() - start,
                 served_name, args.host, args.port)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal to the handler

@@ -132,6 +132,9 @@ class ServerMetrics:
         self.iteration_tokens = histogram("vllm:iteration_tokens_total",
                                           "Tokens computed by each engine step.",
                                           _ITERATION_TOKEN_BUCKETS)
+        self.rejected_overload = counter(
+            "cpullm:requests_rejected_overload",
+            "Requests refused with a 503 because the server was at capacity.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens",
                                          "Generation tokens produced.")

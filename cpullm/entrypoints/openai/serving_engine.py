@@ -24,11 +24,13 @@ class OpenAIError(Exception):
              413: "RequestEntityTooLargeError", 500: "InternalServerError",
              503: "ServiceUnavailableError"}
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "Error"),
@@ -66,11 +68,12 @@ class ServingBase:
     route = ""  # for log lines
 
     def __init__(self, engine: ServingEngine, served_model_name: str, max_model_len: int,
-                 metrics: ServerMetrics) -> None:
+                 metrics: ServerMetrics, max_open_requests: int | None = None) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.metrics = metrics
+        self.max_open_requests = max_open_requests  # past it: 503 at once
         self.vocab_size = engine.config.model.vocab_size
         self._warned_fields: set[str] = set()
 
@@ -78,6 +81,7 @@ class ServingBase:
         """Refuse a request for another model, any request once the engine is dead, and
         fields not implemented yet; warn once about each field this server ignores."""
         self.check_model(request.model)
+        self.check_capacity()
         refused = request.refused_field()
         if refused is not None:
             name, reason = refused
@@ -87,6 +91,18 @@ class ServingBase:
             self._warned_fields.update(new)
             logger.warning("%s: these request fields are not known to this server and are "
                            "ignored: %s (each is named once)", self.route, ", ".join(new))
+
+    def check_capacity(self) -> None:
+        """Refuse a request at once, with a 503 and Retry-After, when the requests already
+        open (running and waiting) fill the server: a queue without a bound would only
+        grow memory and latency under more load than the cores can take."""
+        if self.max_open_requests is None:
+            return
+        open_requests = self.engine.num_open_requests
+        if open_requests >= self.max_open_requests:
+            self.metrics.rejected_overload.inc()
+            raise OpenAIError(f"The server is at capacity ({open_requests} requests open); "
+                              "retry later.", 503, headers={"Retry-After": "1"})
 
     def check_model(self, model: str | None) -> None:
         """Refuse a request for another model, or any request once the engine is dead."""
