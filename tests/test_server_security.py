@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import socket
+import threading
+import time
 
 import httpx
 import pytest
@@ -105,8 +109,6 @@ def test_pickle_weights_are_refused(tiny_model, tmp_path):
 
 
 def test_overload_is_refused_at_once_with_503(tiny_model):
-    import threading
-
     srv = RemoteServer([str(tiny_model("llama")), "--dtype", "float32", "--max-model-len", "512",
                         "--max-num-seqs", "2", "--max-waiting-requests", "1"])
     try:
@@ -133,5 +135,72 @@ def test_overload_is_refused_at_once_with_503(tiny_model):
         assert metrics["cpullm:requests_rejected_overload_total"] == len(refused)
         assert httpx.post(f"{srv.url}/v1/completions", timeout=30,
                           json={"prompt": "Hello", "max_tokens": 2}).status_code == 200
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_ends_every_open_request_cleanly(tiny_model, sig):
+    srv = RemoteServer([str(tiny_model("llama")), "--dtype", "float32",
+                        "--max-model-len", "1024"])
+    ends: list[str] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=60, json={
+                "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True,
+                "stream": True}) as response:
+            ends.append("".join(response.iter_text()))
+
+    clients = [threading.Thread(target=stream) for _ in range(16)]
+    for client in clients:
+        client.start()
+    time.sleep(1.0)
+    start = time.monotonic()
+    assert srv.stop(getattr(signal, sig)) == 0
+    assert time.monotonic() - start < 10
+    for client in clients:
+        client.join()
+    assert len(ends) == 16
+    for text in ends:  # every stream ended with an error event (or had finished), then [DONE]
+        assert text.rstrip().endswith("data: [DONE]")
+        assert '"finish_reason": "length"' in text or "the server is shutting down" in text
+    assert any("the server is shutting down" in text for text in ends)
+    assert "Traceback" not in srv.log()
+
+
+def test_shutdown_timeout_lets_running_requests_finish(tiny_model):
+    srv = RemoteServer([str(tiny_model("llama")), "--dtype", "float32",
+                        "--max-model-len", "512", "--shutdown-timeout", "30"])
+    results: list[httpx.Response] = []
+    started = threading.Event()
+
+    def post() -> None:
+        started.set()
+        results.append(httpx.post(f"{srv.url}/v1/completions", timeout=60, json={
+            "prompt": "Hello", "max_tokens": 300, "ignore_eos": True}))
+
+    client = threading.Thread(target=post)
+    client.start()
+    started.wait()
+    time.sleep(0.3)  # the request is running
+    assert srv.stop(signal.SIGTERM) == 0
+    client.join()
+    assert results[0].status_code == 200
+    assert results[0].json()["usage"]["completion_tokens"] == 300
+
+
+def test_a_stalled_request_body_is_timed_out(tiny_model):
+    srv = RemoteServer([str(tiny_model("llama")), "--dtype", "float32", "--max-model-len", "512",
+                        "--request-body-timeout", "1"])
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                         b'{"prompt": ')  # ... and nothing more
+            start = time.monotonic()
+            answer = conn.recv(4096).decode()
+        assert answer.startswith("HTTP/1.1 408")
+        assert 0.5 < time.monotonic() - start < 5
+        assert httpx.get(f"{srv.url}/health").status_code == 200
     finally:
         srv.stop()

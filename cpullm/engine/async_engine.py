@@ -36,6 +36,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped on an error; no request can be served."""
 
 
+class ServerShuttingDownError(EngineDeadError):
+    """The server is stopping: the requests still open are ended."""
+
+
 class RequestFailedError(RuntimeError):
     """One request's processing raised; the engine serves the others on."""
 
@@ -110,6 +114,11 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="cpullm-engine", daemon=True)
         self._thread.start()
 
+    def stop_requests(self) -> None:
+        """End every open request (the server is stopping); the thread then exits."""
+        self.dead_error = self.dead_error or ServerShuttingDownError("the server is shutting down")
+        self._inbox.put(None)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._inbox.put(None)
         if self._thread is not None:
@@ -156,7 +165,7 @@ class AsyncEngine:
             # Block for work only when nothing is running.
             for command in self._take_commands(block=not engine.has_unfinished_requests()):
                 if command is None:
-                    self._abort_all(EngineDeadError("the server is shutting down"))
+                    self._abort_all(ServerShuttingDownError("the server is shutting down"))
                     return
                 self._apply(command)
             if not engine.has_unfinished_requests():
@@ -328,7 +337,7 @@ class AsyncMPEngine:
                 self._send(replica, [msg.SHUTDOWN])
         for core in self.cores:
             core.stop()
-        self._fail(EngineDeadError("the server is shutting down"))
+        self._fail(ServerShuttingDownError("the server is shutting down"))
         if self._output is not None:  # a socket of the shadow context: destroy() misses it
             self._output.close(linger=0)
         self._zmq.destroy(linger=0)
@@ -450,6 +459,10 @@ class AsyncMPEngine:
                             f"(exit code {core.exitcode})"))
                     return
             await asyncio.sleep(self._WATCH_INTERVAL)
+
+    def stop_requests(self) -> None:
+        """End every open request (the server is stopping)."""
+        self._fail(ServerShuttingDownError("the server is shutting down"))
 
     def _fail(self, error: EngineDeadError) -> None:
         if self.dead_error is None:

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -72,12 +73,14 @@ class _ApiKeyCheck:
 
 class _BodyLimit:
     """Refuses request bodies over ``limit`` bytes with a 413, before any of it is parsed:
-    at once from Content-Length, else (chunked bodies) as the bytes arrive. The body read
-    here is handed on to the app as one piece."""
+    at once from Content-Length, else (chunked bodies) as the bytes arrive; and a body whose
+    next bytes take more than ``timeout`` seconds (a client that sent half a request and
+    stalls) with a 408. The body read here is handed on to the app as one piece."""
 
-    def __init__(self, app: Callable[..., Awaitable[None]], limit: int) -> None:
+    def __init__(self, app: Callable[..., Awaitable[None]], limit: int, timeout: float) -> None:
         self.app = app
         self.limit = limit
+        self.timeout = timeout
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Awaitable[Any]],
                        send: Callable[..., Awaitable[None]]) -> None:
@@ -91,7 +94,12 @@ class _BodyLimit:
             return
         body = bytearray()
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout)
+            except TimeoutError:
+                await _error(408, f"The request body did not arrive within {self.timeout:g} s."
+                             )(scope, receive, send)
+                return
             if message["type"] != "http.request":  # the client left before sending it all
                 return
             body += message.get("body", b"")
@@ -152,7 +160,8 @@ def build_app(engine: ServingEngine, served_model_name: str,
               log_requests: bool = False,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               allowed_origins: list[str] | None = None,
-              max_waiting_requests: int | None = None) -> FastAPI:
+              max_waiting_requests: int | None = None,
+              request_body_timeout: float = 30.0) -> FastAPI:
     """The FastAPI app; the caller starts and stops the engine (see ``lifespan``)."""
     model_config = engine.config.model
     max_model_len = model_config.max_model_len
@@ -192,7 +201,7 @@ def build_app(engine: ServingEngine, served_model_name: str,
         return _error(500, str(exc))
 
     # Added last runs first: CORS (only when origins are given), the key, the body limit.
-    app.add_middleware(_BodyLimit, limit=max_request_body_bytes)
+    app.add_middleware(_BodyLimit, limit=max_request_body_bytes, timeout=request_body_timeout)
     if api_keys:
         app.add_middleware(_ApiKeyCheck, api_keys=api_keys)
     if allowed_origins:
@@ -285,8 +294,6 @@ async def _respond(create: Awaitable[dict[str, Any] | AsyncIterator[str]], reque
 
 
 def run_server(args: argparse.Namespace) -> int:
-    import uvicorn
-
     start = time.perf_counter()
     config = EngineArgs.from_cli_args(args).create_engine_config()
     engine: ServingEngine
@@ -301,14 +308,47 @@ def run_server(args: argparse.Namespace) -> int:
                     log_requests=args.enable_log_requests and not args.disable_log_requests,
                     max_request_body_bytes=args.max_request_body_bytes,
                     allowed_origins=args.allowed_origins,
+                    request_body_timeout=args.request_body_timeout,
                     max_waiting_requests=(args.max_waiting_requests
                                           if args.max_waiting_requests is not None
                                           else 8 * config.scheduler.max_num_seqs))
     logger.info("Engine ready in %.1f s; serving %s on http://%s:%d", time.perf_counter() - start,
                 served_name, args.host, args.port)
-    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal to the handler
-    # that was there before it; this one lets the process end with status 0.
-    signal.signal(signal.SIGTERM, lambda *_: logger.info("Shut down on SIGTERM"))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_graceful_shutdown=5)
+    # uvicorn shuts down gracefully on SIGTERM and SIGINT, then re-raises the signal to the
+    # handler that was there before it; these let the process end with status 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda number, _: logger.info("Shut down on %s",
+                                                         signal.Signals(number).name))
+    server = _DrainingServer(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout + _FLUSH_SECONDS), engine,
+        args.shutdown_timeout)
+    server.run()
     return 0
+
+
+_FLUSH_SECONDS = 2  # after the requests are ended, for their last events to go out
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, which on SIGTERM or SIGINT stops taking connections and waits for
+    the open ones; this one gives the running requests ``drain_timeout`` seconds (vLLM's
+    --shutdown-timeout; 0: none), then ends those left, each cleanly (a 503, or an SSE
+    error event and [DONE] for a stream), so that no response is cut off mid-message."""
+
+    def __init__(self, config: uvicorn.Config, engine: ServingEngine, drain_timeout: int
+                 ) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout = drain_timeout
+        self._draining = False
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        if self._draining:
+            return
+        self._draining = True
+        logger.info("%s: finishing open requests for up to %d s", signal.Signals(sig).name,
+                    self.drain_timeout)
+        loop = asyncio.get_event_loop()  # the signal arrives on the event loop's thread
+        loop.call_soon_threadsafe(loop.call_later, self.drain_timeout, self.engine.stop_requests)

@@ -44,12 +44,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--api-key", nargs="+", default=None,
                         help="require one of these bearer keys on /v1 routes; unset: "
                         "VLLM_API_KEY, or no key")
+    parser.add_argument("--shutdown-timeout", type=int, default=0,
+                        help="on SIGTERM or SIGINT, seconds the running requests get to "
+                             "finish before they are ended (with a 503, or an error event "
+                             "for a stream); 0 (vLLM's default): ended at once")
     parser.add_argument("--max-waiting-requests", type=_positive_int, default=None,
                         help="requests that may wait beyond the --max-num-seqs that run; "
                              "more get a 503 with Retry-After at once (default: 8 x "
                              "--max-num-seqs)")
     parser.add_argument("--max-request-body-bytes", type=_positive_int, default=32 << 20,
                         help="larger request bodies get a 413 (default 32 MiB)")
+    parser.add_argument("--request-body-timeout", type=float, default=30.0,
+                        help="seconds a request body may pause between bytes before a 408")
     parser.add_argument("--allowed-origins", type=_origins, default=None,
                         help='CORS: origins allowed to call the API from a browser, a JSON '
                              'list (\'["https://app.example"]\', \'["*"]\'); unset: no CORS')

@@ -7,7 +7,12 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from cpullm.engine.async_engine import EngineDeadError, RequestFailedError, ServingEngine
+from cpullm.engine.async_engine import (
+    EngineDeadError,
+    RequestFailedError,
+    ServerShuttingDownError,
+    ServingEngine,
+)
 from cpullm.entrypoints.openai.metrics import ServerMetrics
 from cpullm.entrypoints.openai.protocol import Usage, _SamplingFields
 from cpullm.logger import init_logger
@@ -21,8 +26,8 @@ class OpenAIError(Exception):
     """An error answered in OpenAI's shape with an HTTP status."""
 
     TYPES = {400: "BadRequestError", 401: "UnauthorizedError", 404: "NotFoundError",
-             413: "RequestEntityTooLargeError", 500: "InternalServerError",
-             503: "ServiceUnavailableError"}
+             408: "RequestTimeoutError", 413: "RequestEntityTooLargeError",
+             500: "InternalServerError", 503: "ServiceUnavailableError"}
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
@@ -185,6 +190,8 @@ class ServingBase:
                 yield output
         except ValueError as e:
             raise OpenAIError.from_value_error(e) from None
+        except ServerShuttingDownError as e:
+            raise OpenAIError(str(e), 503, headers={"Retry-After": "1"}) from None
         except (EngineDeadError, RequestFailedError) as e:
             raise OpenAIError(str(e), 500) from None
         finally:
