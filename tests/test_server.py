@@ -281,3 +281,17 @@ def test_cache_salt_keeps_tenants_prefixes_apart(server, client, model_dir):
         model=model_dir, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
         extra_body={"cache_salt": "tenant-a"})
     assert chat.choices[0].finish_reason == "length"
+
+
+def test_streamed_events_stay_one_line_for_naive_clients(server, model_dir):
+    """Text with U+2028, U+2029 or U+0085 (JSON leaves them as they are) is escaped in the
+    stream, so that a client splitting lines as str.splitlines does (httpx's iter_lines)
+    still reads every event whole."""
+    prompt = "Line\u2028separator, paragraph\u2029separator and next\x85line"
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=30, json={
+            "model": model_dir, "prompt": prompt, "echo": True, "max_tokens": 2,
+            "stream": True}) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]  # each line is a whole event
+    assert "".join(c["choices"][0]["text"] for c in chunks).startswith(prompt)

@@ -9,7 +9,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +79,20 @@ _BACKENDS: dict[str, tuple[str, Callable[[str, BenchRequest], dict[str, Any]]]] 
 }
 
 
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The lines of a server-sent event stream, split where SSE ends a line (CR, LF, CRLF)
+    only: httpx's aiter_lines also splits at U+2028, U+0085, ..., which a server may leave
+    unescaped inside an event's JSON."""
+    pending = ""
+    async for text in response.aiter_text():
+        pending += text
+        *lines, pending = pending.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+        for line in lines:
+            yield line
+    if pending:
+        yield pending
+
+
 async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], prompt_len: int,
                headers: dict[str, str]) -> RequestResult:
     """One streamed request. As vLLM's client does, every chunk with choices is a token event:
@@ -92,7 +106,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], prompt
             if response.status_code != 200:
                 result.error = (await response.aread()).decode(errors="replace")
                 return result
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])

@@ -84,6 +84,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from cpullm.benchmarks.offline import run_latency
 
         run_latency(args)
+    elif args.bench == "soak":
+        from cpullm.benchmarks.soak import run_soak
+
+        figures = run_soak(args)
+        return 0 if figures["errors"] == 0 and figures["kv_blocks_leaked"] == 0 else 1
     else:
         from cpullm.benchmarks.serve import run_serve_bench
 
@@ -154,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="load an OpenAI-compatible server",
         description="Load an OpenAI-compatible server (cpullm's or vLLM's) with streamed "
         "requests and report TTFT, TPOT, ITL and throughput."))
+    from cpullm.benchmarks.soak import add_soak_args
+
+    add_soak_args(bench_sub.add_parser(
+        "soak", help="many streaming clients for a long time, some vanishing mid-stream",
+        description="Soak a running server: concurrent streaming clients for a set time, a "
+        "share of them disconnecting mid-stream; then report errors, leaked KV blocks, "
+        "resident memory and latency percentiles. Exits 1 on any error or leaked block."))
     commands["bench"] = _cmd_bench
 
     env = sub.add_parser("env", help="print the platform, configuration and library versions",

@@ -237,7 +237,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
                  total_tokens=prompt_tokens + completion_tokens).model_dump()
 
 
+# Characters that JSON leaves as they are but that str.splitlines() (and clients built on
+# it, as httpx's iter_lines) takes for line ends; escaped, a streamed event stays one line.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(data: Any) -> str:
     import json
 
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(data, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
