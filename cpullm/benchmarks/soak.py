@@ -183,7 +183,8 @@ def summarize(result: SoakResult, leaked: int, warmup: float) -> dict[str, Any]:
         "rss_max_after_warmup_mb": max(after) / 1e6 if after else None,
         "rss_end_mb": result.rss[-1][1] / 1e6 if result.rss else None,
         "ttft_p50_ms": pct(result.ttft, 50), "ttft_p99_ms": pct(result.ttft, 99),
-        "tpot_p50_ms": pct(result.tpot, 50), "tpot_p99_ms": pct(result.tpot, 99)}
+        "tpot_p50_ms": pct(result.tpot, 50), "tpot_p99_ms": pct(result.tpot, 99),
+        "rss_mb_by_second": [(round(t), round(rss / 1e6)) for t, rss in result.rss]}
 
 
 def run_soak(args: argparse.Namespace) -> dict[str, Any]:
@@ -196,7 +197,8 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     warmup = args.warmup if args.warmup is not None else args.duration / 10
     figures = summarize(result, kv_blocks_leaked(args.base_url, headers), warmup)
     for name, value in figures.items():
-        print(f"{name:<26}{value}")
+        if name != "rss_mb_by_second":
+            print(f"{name:<26}{value}")
     if args.result_file:
         with open(args.result_file, "w") as f:
             json.dump(figures, f, indent=2)

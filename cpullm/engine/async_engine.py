@@ -1,5 +1,6 @@
-"""The engine behind the server, with asyncio queues: AsyncMPEngine (the engine core in its
-own process, what ``cpullm serve`` runs) and AsyncEngine (the whole engine on a thread).
+"""The engines behind the server, with asyncio queues: AsyncMPEngine (the engine core in its
+own process, what ``cpullm serve`` runs; cpullm/engine/async_mp_engine.py) and AsyncEngine
+(the whole engine on a thread, here).
 
 The HTTP side hands in plain data (request id, prompt token ids, SamplingParams) and reads
 RequestOutputs from a per-request asyncio queue. AsyncEngine's thread owns the LLMEngine:
@@ -11,37 +12,22 @@ tests that inject faults into the engine use it).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import queue
-import shutil
 import threading
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from cpullm.config import EngineConfig
-from cpullm.engine import core_proc as msg
-from cpullm.engine.core import EngineCoreOutput, EngineStats
-from cpullm.engine.core_proc import CoreProcess
-from cpullm.engine.llm_engine import Frontend, LLMEngine, check_cache_salt
-from cpullm.engine.output_processor import OutputProcessor
+from cpullm.engine.async_mp_engine import AsyncMPEngine
+from cpullm.engine.core import EngineStats
+from cpullm.engine.errors import EngineDeadError, RequestFailedError, ServerShuttingDownError
+from cpullm.engine.llm_engine import Frontend, LLMEngine
 from cpullm.logger import init_logger
 from cpullm.outputs import RequestOutput
 from cpullm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped on an error; no request can be served."""
-
-
-class ServerShuttingDownError(EngineDeadError):
-    """The server is stopping: the requests still open are ended."""
-
-
-class RequestFailedError(RuntimeError):
-    """One request's processing raised; the engine serves the others on."""
 
 
 @dataclass(slots=True)
@@ -242,238 +228,7 @@ class AsyncEngine:
         self.stats = self.engine.core.stats()
 
 
-class AsyncMPEngine:
-    """The engine core in its own process (cpullm/engine/core_proc.py), one per
-    data-parallel replica, behind the same interface as AsyncEngine. This process keeps
-    the front end: the tokenizer, the OutputProcessor (text, stop strings, logprobs,
-    RequestOutputs) and the per-request queues, all touched only on the event loop; a task
-    there reads the cores' per-step messages, and another watches the processes, so that a
-    core that dies fails the requests and /health at once instead of leaving them waiting.
-    Each request goes to the replica with the fewest open requests."""
-
-    _WATCH_INTERVAL = 0.25  # seconds between checks that the core processes live
-
-    def __init__(self, config: EngineConfig, frontend: Frontend) -> None:
-        import atexit
-        import tempfile
-
-        import zmq
-
-        self.config = config
-        self.frontend = frontend
-        self.processor = OutputProcessor(frontend.tokenizer)
-        self.on_step: Callable[[int], None] | None = None
-        replicas = config.parallel.data_parallel_size
-        self.replica_stats = [EngineStats() for _ in range(replicas)]
-        self.dead_error: BaseException | None = None
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._replica_of: dict[str, int] = {}  # open request -> the replica running it
-        self._load = [0] * replicas  # open requests per replica
-        self.num_open_requests = 0  # generate() calls not finished
-        self._tasks: list[asyncio.Task[None]] = []
-        self._output: Any = None  # the PULL socket of the cores' messages, on the event loop
-        self._stopped = False
-        self._ipc_dir = tempfile.mkdtemp(prefix="cpullm-")
-        self._output_address = f"ipc://{self._ipc_dir}/output"
-        self._zmq = zmq.Context()
-        # Started together, so that the replicas load their models at the same time.
-        self.cores = [CoreProcess(config.replica(i), frontend.eos_token_ids,
-                                  f"ipc://{self._ipc_dir}/input-{i}", self._output_address)
-                      for i in range(replicas)]
-        atexit.register(self.shutdown)
-        self._inputs = []
-        try:
-            for core in self.cores:
-                core.wait_ready()
-                sock = self._zmq.socket(zmq.PUSH)
-                sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block: the core reads all
-                sock.connect(core.input_address)
-                self._inputs.append(sock)
-        except BaseException:
-            self.shutdown()
-            raise
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.frontend.tokenizer
-
-    @property
-    def errored(self) -> bool:
-        return self.dead_error is not None
-
-    @property
-    def stats(self) -> EngineStats:
-        """The replicas' stats, added up."""
-        if len(self.replica_stats) == 1:
-            return self.replica_stats[0]
-        total = EngineStats(**{f.name: sum(getattr(s, f.name) for s in self.replica_stats)
-                               for f in dataclasses.fields(EngineStats)})
-        total.kv_cache_usage = 1.0 - total.num_free_blocks / max(1, total.num_blocks)
-        return total
-
-    def apply_chat_template(self, messages: list[dict[str, Any]], *args: Any, **kwargs: Any
-                            ) -> str:
-        return self.frontend.apply_chat_template(messages, *args, **kwargs)
-
-    def start(self) -> None:
-        """On the event loop that serves requests."""
-        import zmq
-        import zmq.asyncio
-
-        self._output = zmq.asyncio.Context.shadow(self._zmq).socket(zmq.PULL)
-        self._output.bind(self._output_address)
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._receive(self._output)),
-                       loop.create_task(self._watch())]
-
-    def shutdown(self) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
-        for task in self._tasks:
-            task.cancel()
-        for replica, core in enumerate(self.cores):
-            if core.process.is_alive() and replica < len(self._inputs):
-                self._send(replica, [msg.SHUTDOWN])
-        for core in self.cores:
-            core.stop()
-        self._fail(ServerShuttingDownError("the server is shutting down"))
-        if self._output is not None:  # a socket of the shadow context: destroy() misses it
-            self._output.close(linger=0)
-        self._zmq.destroy(linger=0)
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
-
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, cache_salt: str | None = None
-                       ) -> AsyncGenerator[RequestOutput, None]:
-        """Yield the request's outputs until it finishes. Cancelling the consumer (a client
-        that went away) aborts the request and frees its KV blocks."""
-        if self.dead_error is not None:
-            raise EngineDeadError(f"the engine has stopped: {self.dead_error}")
-        self.frontend.check_prompt(prompt_token_ids)
-        self.frontend.check_params(params)
-        check_cache_salt(cache_salt)
-        sequences = self.processor.add_request(request_id, None, prompt_token_ids, params,
-                                               cache_salt)
-        replica = min(range(len(self.cores)), key=lambda i: (self._load[i], i))
-        self._load[replica] += 1
-        self._replica_of[request_id] = replica
-        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._queues[request_id] = outputs
-        self._send(replica, [msg.ADD, [msg.encode_request(s) for s in sequences]])
-        self.num_open_requests += 1
-        finished = False
-        try:
-            while True:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self.num_open_requests -= 1
-            if not finished:
-                self.abort(request_id)
-
-    def abort(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
-        replica = self._close(request_id)
-        sequences = self.processor.abort_request(request_id)
-        if sequences and replica is not None and self.dead_error is None:
-            self._send(replica, [msg.ABORT, sequences])
-
-    def _close(self, request_id: str) -> int | None:
-        """A request is done: its replica has one fewer open request."""
-        replica = self._replica_of.pop(request_id, None)
-        if replica is not None:
-            self._load[replica] -= 1
-        return replica
-
-    def _send(self, replica: int, message: list[Any]) -> None:
-        self._inputs[replica].send(msg.pack(message))
-
-    async def _receive(self, output: Any) -> None:
-        try:
-            while True:
-                self._handle(msg.unpack(await output.recv()))
-        except Exception as e:  # a fault of this side: fail loudly rather than hang requests
-            logger.exception("Reading the engine core's outputs failed; failing all requests")
-            self._fail(EngineDeadError(f"the engine's outputs could not be read: {e!r}"))
-
-    def _handle(self, message: list[Any]) -> None:
-        kind, replica = message[0], message[1]
-        if kind == msg.OUTPUTS:
-            _, _, num_tokens, stats, outputs = message
-            self.replica_stats[replica] = msg.decode_stats(stats)
-            if self.on_step is not None:
-                self.on_step(num_tokens)
-            self._deliver(replica, [msg.decode_output(o) for o in outputs])
-        elif kind == msg.STATS:
-            self.replica_stats[replica] = msg.decode_stats(message[2])
-        elif kind == msg.REJECTED:
-            request_id = self.processor.request_of(message[2])
-            if request_id is not None:
-                waiting = self._queues.get(request_id)
-                self.abort(request_id)
-                if waiting is not None:
-                    waiting.put_nowait(ValueError(message[3]))
-        elif kind == msg.FAILED:
-            logger.error("The engine core%s failed: %s; failing all requests",
-                         self._name(replica), message[2])
-            self._fail(EngineDeadError(f"the engine{self._name(replica)} failed: {message[2]}"))
-
-    def _name(self, replica: int) -> str:
-        return f" (replica {replica})" if len(self.cores) > 1 else ""
-
-    def _deliver(self, replica: int, outputs: list[EngineCoreOutput]) -> None:
-        step = self.processor.process(outputs)
-        if step.to_finish:
-            self._send(replica, [msg.ABORT, step.to_finish])
-        for request_id, error in step.failed.items():
-            logger.error("Request %s failed: %r", request_id, error)
-            self._close(request_id)
-            waiting = self._queues.pop(request_id, None)
-            if waiting is not None:
-                waiting.put_nowait(RequestFailedError(f"the request failed: {error!r}"))
-        for request_output in step.outputs:
-            if request_output.finished:
-                self._close(request_output.request_id)
-            waiting = self._queues.get(request_output.request_id)
-            if waiting is not None:
-                waiting.put_nowait(request_output)
-                if request_output.finished:
-                    del self._queues[request_output.request_id]
-
-    async def _watch(self) -> None:
-        while True:
-            for replica, core in enumerate(self.cores):
-                if core.exitcode is not None:
-                    if self.dead_error is None:
-                        logger.error("The engine core process%s exited with code %s; failing "
-                                     "all requests", self._name(replica), core.exitcode)
-                        self._fail(EngineDeadError(
-                            f"the engine core process{self._name(replica)} exited unexpectedly "
-                            f"(exit code {core.exitcode})"))
-                    return
-            await asyncio.sleep(self._WATCH_INTERVAL)
-
-    def stop_requests(self) -> None:
-        """End every open request (the server is stopping)."""
-        self._fail(ServerShuttingDownError("the server is shutting down"))
-
-    def _fail(self, error: EngineDeadError) -> None:
-        if self.dead_error is None:
-            self.dead_error = error
-        for outputs in self._queues.values():
-            outputs.put_nowait(error)
-        self._queues.clear()
-        self._replica_of.clear()
-        self._load = [0] * len(self.cores)
-        for request_id in list(self.processor.requests):
-            self.processor.abort_request(request_id)
-
-
 ServingEngine = AsyncEngine | AsyncMPEngine  # what the server's routes run on
+
+__all__ = ["AsyncEngine", "AsyncMPEngine", "EngineDeadError", "RequestFailedError",
+           "ServerShuttingDownError", "ServingEngine"]
