@@ -144,17 +144,22 @@ def test_a_signal_ends_every_open_request_cleanly(tiny_model, sig):
     srv = RemoteServer([str(tiny_model("llama")), "--dtype", "float32",
                         "--max-model-len", "1024"])
     ends: list[str] = []
+    running = threading.Semaphore(0)  # released by each stream at its first event
 
     def stream() -> None:
         with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=60, json={
                 "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True,
                 "stream": True}) as response:
-            ends.append("".join(response.iter_text()))
+            chunks = response.iter_text()
+            first = next(chunks)
+            running.release()
+            ends.append(first + "".join(chunks))
 
     clients = [threading.Thread(target=stream) for _ in range(16)]
     for client in clients:
         client.start()
-    time.sleep(1.0)
+    for _ in clients:  # every stream has begun and has ~1000 tokens to go
+        assert running.acquire(timeout=60)
     start = time.monotonic()
     assert srv.stop(getattr(signal, sig)) == 0
     assert time.monotonic() - start < 10
