@@ -1,4 +1,4 @@
-"""EngineCore: the scheduler and the model runner, one step at a time.
+"""EngineCore: the scheduler and the executor (the model runner), one step at a time.
 
 This is the part of the engine that runs the model, and the only part that runs in the
 engine-core process (cpullm/engine/core_proc.py). It knows sequences, not user requests:
@@ -19,8 +19,8 @@ from cpullm.config import EngineConfig
 from cpullm.engine.request import Request, RequestStatus
 from cpullm.engine.sched_output import LogprobsLists
 from cpullm.engine.scheduler import Scheduler
+from cpullm.executor import Executor, UniProcExecutor
 from cpullm.sampling_params import SamplingParams
-from cpullm.worker.model_runner import ModelRunner
 
 
 @dataclass(slots=True)
@@ -74,7 +74,7 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         torch.manual_seed(config.model.seed)
         self.scheduler = Scheduler(config.scheduler, config.cache)
-        self.model_runner = ModelRunner(config, eos_token_ids)
+        self.executor: Executor = UniProcExecutor(config, eos_token_ids)
         self.last_step_num_tokens = 0  # prompt and output tokens computed by the last step
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -99,7 +99,7 @@ class EngineCore:
         scheduler_output = scheduler.schedule()
         self.last_step_num_tokens = scheduler_output.num_scheduled_tokens
         # 2. One forward pass and sampling.
-        runner_output = self.model_runner.execute(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output)
         # 3. Prompt logprobs belong to positions from num_computed_tokens, before the update.
         outputs: dict[str, EngineCoreOutput] = {}
         for request_id, rows in runner_output.prompt_logprobs.items():

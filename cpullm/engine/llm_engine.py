@@ -18,6 +18,7 @@ from cpullm.engine.core_proc import CoreClient
 from cpullm.engine.output_processor import OutputProcessor
 from cpullm.engine.request import RequestStatus
 from cpullm.engine_args import EngineArgs
+from cpullm.executor import UniProcExecutor
 from cpullm.logger import init_logger
 from cpullm.outputs import RequestOutput
 from cpullm.sampling_params import SamplingParams
@@ -166,7 +167,9 @@ class LLMEngine:
 
     @property
     def model_runner(self) -> ModelRunner:
-        return self._in_process().model_runner
+        executor = self._in_process().executor
+        assert isinstance(executor, UniProcExecutor)
+        return executor.model_runner
 
     def _in_process(self) -> EngineCore:
         if not isinstance(self.core, EngineCore):
@@ -176,12 +179,12 @@ class LLMEngine:
     def bind_threads(self) -> None:
         """Pin the compute threads to the calling thread (the core's process pins its own)."""
         if isinstance(self.core, EngineCore):
-            self.core.model_runner.bind_threads()
+            self.core.executor.bind_threads()
 
     def release_threads(self) -> None:
         """Give the calling thread its CPUs back."""
         if isinstance(self.core, EngineCore):
-            self.core.model_runner.release_calling_thread()
+            self.core.executor.release_calling_thread()
 
     def shutdown(self) -> None:
         """Stop the engine core's process, if it has one."""
