@@ -12,6 +12,7 @@ tests that inject faults into the engine use it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from collections.abc import AsyncGenerator, Callable
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpullm.config import EngineConfig
-from cpullm.engine.async_mp_engine import AsyncMPEngine
+from cpullm.engine.async_mp_engine import AsyncMPEngine, stream_outputs
 from cpullm.engine.core import EngineStats
 from cpullm.engine.errors import EngineDeadError, RequestFailedError, ServerShuttingDownError
 from cpullm.engine.llm_engine import Frontend, LLMEngine
@@ -123,22 +124,9 @@ class AsyncEngine:
             prompt["cache_salt"] = cache_salt
         self._inbox.put(_Add(request_id, prompt, params,
                              _Sink(asyncio.get_running_loop(), outputs)))
-        self.num_open_requests += 1
-        finished = False
-        try:
-            while True:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
+        async with contextlib.aclosing(stream_outputs(self, request_id, outputs)) as stream:
+            async for item in stream:
                 yield item
-                if finished:
-                    return
-        finally:
-            self.num_open_requests -= 1
-            if not finished:
-                self._inbox.put(_Abort(request_id))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))

@@ -4,6 +4,7 @@ data-parallel replica, behind asyncio queues in the server's process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import shutil
 from collections.abc import AsyncGenerator, Callable
@@ -21,6 +22,30 @@ from cpullm.outputs import RequestOutput
 from cpullm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
+
+
+async def stream_outputs(engine: Any, request_id: str,
+                         outputs: asyncio.Queue[RequestOutput | BaseException]
+                         ) -> AsyncGenerator[RequestOutput, None]:
+    """A request's outputs from its queue until the finished one (an error in the queue is
+    raised), counted in ``engine.num_open_requests`` meanwhile. A consumer that stops early
+    (a client that went away) aborts the request, which frees its KV blocks."""
+    engine.num_open_requests += 1
+    finished = False
+    try:
+        while True:
+            item = await outputs.get()
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            finished = item.finished
+            yield item
+            if finished:
+                return
+    finally:
+        engine.num_open_requests -= 1
+        if not finished:
+            engine.abort(request_id)
 
 
 class AsyncMPEngine:
@@ -142,22 +167,9 @@ class AsyncMPEngine:
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = outputs
         self._send(replica, [msg.ADD, [msg.encode_request(s) for s in sequences]])
-        self.num_open_requests += 1
-        finished = False
-        try:
-            while True:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
+        async with contextlib.aclosing(stream_outputs(self, request_id, outputs)) as stream:
+            async for item in stream:
                 yield item
-                if finished:
-                    return
-        finally:
-            self.num_open_requests -= 1
-            if not finished:
-                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
