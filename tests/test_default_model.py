@@ -41,7 +41,7 @@ def test_gguf_greedy_matches_transformers(llm_fp32):
 
 def test_chat_answers_paris():
     """In bfloat16 the Q4_1 file runs on its blocks as stored (the quantized kernels)."""
-    from cpullm.model_executor.layers.quantization.gguf import QuantizedWeight
+    from cpullm.model_executor.layers.quantization.kept import QuantizedWeight
     from cpullm.model_executor.loader import weight_bytes
 
     llm = LLM(dtype="bfloat16", max_model_len=1024)

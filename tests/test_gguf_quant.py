@@ -14,7 +14,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from cpullm.model_executor.layers.ops import load_ops
-from cpullm.model_executor.layers.quantization.gguf import QuantizedWeight, RawBlocks
+from cpullm.model_executor.layers.quantization.gguf import RawBlocks
 from cpullm.model_executor.layers.quantization.gguf_blocks import (
     KEPT_TYPES,
     block_bytes,
@@ -23,6 +23,7 @@ from cpullm.model_executor.layers.quantization.gguf_blocks import (
     split_blocks,
     unpack,
 )
+from cpullm.model_executor.layers.quantization.kept import QuantizedWeight
 from cpullm.transformers_utils import resolve_model
 
 LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
@@ -89,7 +90,7 @@ def test_kernels_match_dequantized_reference(qtype, rows):
     ops, kernels = _kernels()
     rng = np.random.default_rng(2)
     n, k = 96, width(qtype)
-    weight = QuantizedWeight.from_blocks(RawBlocks(qtype, random_blocks(qtype, n, k, rng), (n, k)))
+    weight = RawBlocks(qtype, random_blocks(qtype, n, k, rng), (n, k)).to_weight()
     reference_w = torch.from_numpy(dequantize_split(split_blocks(
         qtype, random_blocks(qtype, n, k, np.random.default_rng(2)), k)))
     assert torch.equal(weight.dequantize(torch.float32), reference_w)
@@ -110,8 +111,7 @@ def test_kernel_writes_into_a_column_slice():
     if not kernels:
         pytest.skip("no quantized kernels on this CPU")
     rng = np.random.default_rng(4)
-    weight = QuantizedWeight.from_blocks(RawBlocks(T.Q4_1, random_blocks(T.Q4_1, 64, 256, rng),
-                                                   (64, 256)))
+    weight = RawBlocks(T.Q4_1, random_blocks(T.Q4_1, 64, 256, rng), (64, 256)).to_weight()
     x = torch.randn(3, 256).bfloat16()
     for kernel in kernels:
         full = torch.full((3, 100), 7.0, dtype=torch.bfloat16)

@@ -1,7 +1,8 @@
-// x @ W.T on kept-quantized weights (GGUF block types, in the layout that
-// cpullm/model_executor/layers/quantization/gguf_blocks.py packs): per row of W, small
-// unsigned integers u, a scale per block of 16 or 32 weights (float16 or float32) and
-// either a min per block (w = s * u + m) or a zero point (w = s * (u - zero)).
+// x @ W.T on kept-quantized weights (GGUF block types; AWQ, GPTQ and compressed-tensors
+// int groups), in the layout that cpullm/model_executor/layers/quantization/gguf_blocks.py
+// packs: per row of W, small unsigned integers u, a scale per block of 16, 32, 64 or 128
+// weights (float16 or float32) and either a min per block (w = s * u + m) or a zero point
+// (w = s * (u - zero)).
 //
 // x is quantized to int8 per block (scale dx, and dx * sum(q) per block), so that each
 // block's dot product is an integer one, four u8 x s8 products per lane per VNNI
@@ -125,8 +126,13 @@ QuantizedX quantize_x(const at::Tensor& x, int64_t block, const std::vector<Grou
       int8_t* q = out.q.data() + t * q_stride;
       float* s = out.scale.data() + t * blocks;
       float* sum = out.sum.data() + t * blocks;
-      if (block == 32) quantize_row<32>(xp + t * x.stride(0), groups, q, s, sum);
-      else quantize_row<16>(xp + t * x.stride(0), groups, q, s, sum);
+      const c10::BFloat16* row = xp + t * x.stride(0);
+      switch (block) {
+        case 16: quantize_row<16>(row, groups, q, s, sum); break;
+        case 32: quantize_row<32>(row, groups, q, s, sum); break;
+        case 64: quantize_row<64>(row, groups, q, s, sum); break;
+        default: quantize_row<128>(row, groups, q, s, sum);
+      }
     }
   });
   return out;
@@ -334,18 +340,29 @@ struct Tiles {
 
 using TileTable = const Tile (*)[2][2];
 
-// The layouts GGUF's types are kept in (gguf_blocks.FORMATS): bits, block, scale type and
-// min or zero point.
-TileTable pick(int64_t bits, int64_t block, bool half, bool min) {
+// Every layout: u of 4 or 8 bits, blocks of 16, 32, 64 or 128, float16 or float32 scales,
+// mins or a zero point. GGUF's types use blocks of 16 and 32 (gguf_blocks.FORMATS); the
+// group-quantized formats (AWQ, GPTQ, compressed-tensors) blocks of their group size, or
+// of 128 with a scale repeated for larger groups and per-channel scales.
+template <int BITS, int BLOCK>
+TileTable pick_scales(bool half, bool min) {
   using H = at::Half;
-  if (bits == 4 && block == 32 && half) return min ? Tiles<4, 32, H, true>::table : Tiles<4, 32, H, false>::table;  // Q4_1, Q4_0
-  if (bits == 8 && block == 32 && half) return min ? Tiles<8, 32, H, true>::table : Tiles<8, 32, H, false>::table;  // Q5_1, Q5_0 Q8_0
-  if (bits == 4 && block == 32 && !half && min) return Tiles<4, 32, float, true>::table;  // Q4_K
-  if (bits == 8 && block == 32 && !half && min) return Tiles<8, 32, float, true>::table;  // Q5_K
-  if (bits == 4 && block == 16 && !half) return min ? Tiles<4, 16, float, true>::table : Tiles<4, 16, float, false>::table;  // Q2_K, Q3_K
-  if (bits == 8 && block == 16 && !half && !min) return Tiles<8, 16, float, false>::table;  // Q6_K
-  TORCH_CHECK(false, "quant_gemm: no kernel for ", bits, "-bit u in blocks of ", block, " with ",
-              half ? "float16" : "float32", " scales and ", min ? "mins" : "a zero point");
+  if (half) return min ? Tiles<BITS, BLOCK, H, true>::table : Tiles<BITS, BLOCK, H, false>::table;
+  return min ? Tiles<BITS, BLOCK, float, true>::table : Tiles<BITS, BLOCK, float, false>::table;
+}
+
+template <int BITS>
+TileTable pick_block(int64_t block, bool half, bool min) {
+  switch (block) {
+    case 16: return pick_scales<BITS, 16>(half, min);
+    case 32: return pick_scales<BITS, 32>(half, min);
+    case 64: return pick_scales<BITS, 64>(half, min);
+    default: return pick_scales<BITS, 128>(half, min);
+  }
+}
+
+TileTable pick(int64_t bits, int64_t block, bool half, bool min) {
+  return bits == 4 ? pick_block<4>(block, half, min) : pick_block<8>(block, half, min);
 }
 
 // 16 float32 -> 16 bfloat16, rounded to nearest even (no BF16 instructions needed).
@@ -367,8 +384,8 @@ static std::vector<Group> check_quant_gemm(const at::Tensor& out, const at::Tens
               "quant_gemm: bfloat16 x and out expected");
   TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && scales.is_contiguous(),
               "quant_gemm: uint8 data and contiguous scales expected");
-  TORCH_CHECK((bits == 4 || bits == 8) && (block == 16 || block == 32),
-              "quant_gemm: bits 4 or 8, blocks of 16 or 32");
+  TORCH_CHECK((bits == 4 || bits == 8) && (block == 16 || block == 32 || block == 64 || block == 128),
+              "quant_gemm: bits 4 or 8, blocks of 16, 32, 64 or 128");
   TORCH_CHECK(scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat,
               "quant_gemm: float16 or float32 scales");
   const int64_t m = x.size(0), k = x.size(1), n = data.size(0);

@@ -7,7 +7,8 @@ from torch import nn
 from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import QuantizationConfig
 from cpullm.model_executor.layers.quantization.dense import PackedGemm
-from cpullm.model_executor.layers.quantization.gguf import QuantizedWeight, RawBlocks
+from cpullm.model_executor.layers.quantization.gguf import RawBlocks
+from cpullm.model_executor.layers.quantization.kept import QuantizedWeight
 
 
 class VocabEmbedding(nn.Module):
@@ -31,7 +32,7 @@ class VocabEmbedding(nn.Module):
         if tuple(loaded.shape) != tuple(param.shape):
             raise ValueError(f"checkpoint {tuple(loaded.shape)}, model {tuple(param.shape)}")
         if isinstance(loaded, RawBlocks):
-            self.quantized = QuantizedWeight.from_blocks(loaded)
+            self.quantized = loaded.to_weight()
             param.data = torch.empty(0, dtype=param.dtype)  # shared with a tied LM head
         else:
             param.data.copy_(loaded)

@@ -1,13 +1,11 @@
-"""GGUF weights kept quantized: the ``gguf`` quantization config, its linear method and the
-weight object behind it (also used by the embedding table and the LM head).
+"""GGUF weights kept quantized: the ``gguf`` quantization config and its linear method
+(the embedding table and the LM head keep their blocks too, see layers/embedding.py).
 
 A GGUF file's tensors reach the layers as ``RawBlocks`` (the blocks as stored) or, for the
 float types, as plain tensors. A linear layer collects its shards (q, k, v; gate, up),
 each of its own type — a Q4_K_M file mixes Q4_K, Q6_K and others even inside one merged
-layer — and after loading keeps them as segments of output rows: consecutive shards of one
-``BlockFormat`` become one ``QuantizedWeight``, float shards a dense weight. A matmul runs
-each segment into its columns of the output. Where the quantized kernels do not run (see
-``QuantizedWeight.kernels_run``) the blocks are dequantized once after loading instead.
+layer — and keeps them as segments of output rows (``KeptLinearMethod``): consecutive
+shards of one ``BlockFormat`` become one ``QuantizedWeight``, float shards a dense weight.
 """
 
 from __future__ import annotations
@@ -17,26 +15,19 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import LinearMethod, QuantizationConfig
-from cpullm.model_executor.layers.quantization.dense import PackedGemm
-from cpullm.model_executor.layers.quantization.gguf_blocks import (
-    BlockFormat,
-    SplitBlocks,
-    split_blocks,
-    unpack,
+from cpullm.model_executor.layers.quantization.gguf_blocks import split_blocks
+from cpullm.model_executor.layers.quantization.kept import (
+    KeptLinearMethod,
+    QuantizedWeight,
+    Shard,
 )
 
 if TYPE_CHECKING:
     from cpullm.model_executor.layers.linear import LinearBase
-
-# Up to this many rows of x, the integer dot products on the blocks as stored; above, the
-# bfloat16 GEMM on panels dequantized 32 rows at a time (see docs/quantization.md).
-VNNI_MAX_ROWS = 20
 
 
 @dataclass
@@ -48,120 +39,10 @@ class RawBlocks:
     raw: np.ndarray
     shape: tuple[int, ...]
 
-
-class QuantizedWeight(nn.Module):
-    """A weight [n, k] in one ``BlockFormat``: ``data`` [n, k * bits / 8] (uint8),
-    ``scales`` and ``mins`` [n, k / block] (mins absent for a format with a zero point)."""
-
-    def __init__(self, fmt: BlockFormat, data: torch.Tensor, scales: torch.Tensor,
-                 mins: torch.Tensor | None, k: int, qtype: str) -> None:
-        super().__init__()
-        self.fmt, self.k, self.qtype = fmt, k, qtype
-        self.register_buffer("data", data)
-        self.register_buffer("scales", scales)
-        self.register_buffer("mins", mins)
-
-    @classmethod
-    def from_split(cls, split: SplitBlocks, qtype: str) -> QuantizedWeight:
-        return cls(split.fmt, torch.from_numpy(np.ascontiguousarray(split.packed())),
-                   torch.from_numpy(split.scales),
-                   None if split.mins is None else torch.from_numpy(split.mins),
-                   split.u.shape[1], qtype)
-
-    @classmethod
-    def from_blocks(cls, blocks: RawBlocks) -> QuantizedWeight:
-        return cls.from_split(split_blocks(blocks.qtype, blocks.raw, blocks.shape[-1]),
-                              blocks.qtype.name)
-
-    @classmethod
-    def cat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
-        """Rows of several weights of one format, stacked."""
-        first = parts[0]
-        assert all(p.fmt == first.fmt and p.k == first.k for p in parts)
-        if len(parts) == 1:
-            return first
-        mins = None if first.mins is None else torch.cat([p.mins for p in parts])
-        return cls(first.fmt, torch.cat([p.data for p in parts]),
-                   torch.cat([p.scales for p in parts]), mins, first.k,
-                   "+".join(dict.fromkeys(p.qtype for p in parts)))
-
-    @property
-    def n(self) -> int:
-        return self.data.shape[0]
-
-    def dequantize(self, dtype: torch.dtype, index: torch.Tensor | slice | None = None
-                   ) -> torch.Tensor:
-        """The weight (or its rows ``index``) in ``dtype``: [rows, k]."""
-        data, scales, mins = self.data, self.scales, self.mins
-        if index is not None:
-            data, scales = data[index], scales[index]
-            mins = None if mins is None else mins[index]
-        rows, k, block = data.shape[0], self.k, self.fmt.block
-        u = torch.from_numpy(unpack(data.numpy(), self.fmt.bits, block, k))
-        u = u.view(rows, k // block, block).float()  # [rows, blocks, block]
-        s = scales.float()[..., None]
-        if self.fmt.zero is not None:
-            w = (u - float(self.fmt.zero)) * s
-        else:
-            assert mins is not None
-            w = s * u + mins.float()[..., None]
-        return w.view(rows, k).to(dtype)
-
-    @staticmethod
-    def kernels_run(ops: KernelTable | None, dtype: torch.dtype) -> bool:
-        """Whether cpullm's quantized kernels run here: AVX-512 VNNI, bfloat16 compute."""
-        return ops is not None and ops.quant_gemm is not None and dtype == torch.bfloat16
-
-    def kernel_for(self, rows: int, ops: KernelTable | None, dtype: torch.dtype) -> str:
-        """What multiplies ``rows`` rows of x: "int8" (cpullm's dot products on the blocks,
-        AVX-512 VNNI), "panels" (cpullm's bf16 GEMM on panels dequantized 32 rows at a
-        time, AVX-512 BF16) or "torch" (ATen on weights dequantized a slice at a time)."""
-        if not self.kernels_run(ops, dtype):
-            return "torch"
-        assert ops is not None
-        if rows > VNNI_MAX_ROWS and ops.quant_gemm_bf16 is not None and self.n % 32 == 0:
-            return "panels"
-        return "int8"
-
-    def matmul_into(self, out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
-                    ops: KernelTable | None, kernel: str | None = None) -> None:
-        """out [rows, n] = x [rows, k] @ W.T (+ bias); ``kernel`` forces one (tests)."""
-        kernel = kernel or self.kernel_for(x.shape[0], ops, x.dtype)
-        if kernel != "torch":
-            assert ops is not None
-            run = ops.quant_gemm if kernel == "int8" else ops.quant_gemm_bf16
-            if x.stride(-1) != 1 or x.stride(0) % 2:
-                x = x.contiguous()
-            run(out, x, self.data, self.scales, self.mins, self.fmt.bits, self.fmt.block,
-                self.fmt.zero or 0, bias)
-            return
-        # Dequantize a slice of rows at a time: never the whole weight in floats at once.
-        step = max(32, (1 << 22) // self.k)
-        for start in range(0, self.n, step):
-            end = min(self.n, start + step)
-            w = self.dequantize(x.dtype, slice(start, end))
-            out[:, start:end] = F.linear(x, w, None if bias is None else bias[start:end])
-
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, ops: KernelTable | None
-               ) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        out = rows.new_empty(rows.shape[0], self.n)
-        self.matmul_into(out, rows, bias, ops)
-        return out.view(*x.shape[:-1], self.n)
-
-    def describe(self, ops: KernelTable | None = None, dtype: torch.dtype | None = None
-                 ) -> str:
-        """The type, its layout, and (given the kernels and the compute dtype) what runs it."""
-        name = f"GGUF {self.qtype} kept as {self.fmt.name}"
-        if dtype is None:
-            return name
-        few, many = self.kernel_for(1, ops, dtype), self.kernel_for(VNNI_MAX_ROWS + 1, ops, dtype)
-        if few == "torch":
-            return f"{name}: dequantized a slice at a time, ATen linear"
-        if many == "int8":
-            return f"{name}: cpullm int8 dot products (AVX-512 VNNI)"
-        return (f"{name}: cpullm int8 dot products (AVX-512 VNNI) up to {VNNI_MAX_ROWS} rows, "
-                "bf16 GEMM on panels dequantized 32 rows at a time above")
+    def to_weight(self) -> QuantizedWeight:
+        """The blocks taken apart into the kernels' layout."""
+        return QuantizedWeight.from_split(split_blocks(self.qtype, self.raw, self.shape[-1]),
+                                          self.qtype.name)
 
 
 class GGUFConfig(QuantizationConfig):
@@ -174,18 +55,7 @@ class GGUFConfig(QuantizationConfig):
         return GGUFLinearMethod()
 
 
-@dataclass
-class _Segment:
-    """Output rows [start, end) of a layer, and the weight that computes them."""
-
-    start: int
-    end: int
-    quantized: QuantizedWeight | None
-    dense: torch.Tensor | None = None
-    gemm: PackedGemm | None = None
-
-
-class GGUFLinearMethod(LinearMethod):
+class GGUFLinearMethod(KeptLinearMethod):
     """A linear layer whose shards come from a GGUF file, each kept in its own type."""
 
     def create_weights(self, layer: LinearBase, bias: bool, dtype: torch.dtype | None) -> None:
@@ -193,93 +63,12 @@ class GGUFLinearMethod(LinearMethod):
         layer.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
         layer.weight.weight_loader = lambda param, loaded, shard_id=None: self.load(  # type: ignore[attr-defined]
             layer, loaded, shard_id)
-        layer.shards = {}
-        layer.segments = []
-        layer.compute_dtype = dtype
-        self.create_bias(layer, bias, dtype)
+        super().create_weights(layer, bias, dtype)
 
     def load(self, layer: LinearBase, loaded: RawBlocks | torch.Tensor,
              shard_id: str | int | None) -> None:
-        start, end = layer.shard_range(shard_id)
-        shape = tuple(loaded.shape)
-        if shape != (end - start, layer.input_size):
-            raise ValueError(f"shape mismatch for shard {shard_id!r}: checkpoint {shape}, "
-                             f"model {(end - start, layer.input_size)}")
+        start, end = self.check_shape(layer, shard_id, tuple(loaded.shape))
         if isinstance(loaded, RawBlocks):
-            layer.shards[start] = (end, QuantizedWeight.from_blocks(loaded))
+            layer.shards[start] = Shard(end, loaded.to_weight())
         else:
-            layer.shards[start] = (end, loaded.to(layer.compute_dtype))
-
-    def process_weights_after_loading(self, layer: LinearBase, ops: KernelTable | None) -> None:
-        if not QuantizedWeight.kernels_run(ops, layer.compute_dtype):
-            # No quantized kernel for this CPU or compute dtype (AVX2, Arm, float32, float16,
-            # --enforce-eager): the blocks are dequantized once, here, to run as dense
-            # weights, as fast as a checkpoint in that dtype (dequantizing at every matmul
-            # would be many times slower); docs/quantization.md states the memory it costs.
-            layer.shards = {start: (end, w.dequantize(layer.compute_dtype)
-                                    if isinstance(w, QuantizedWeight) else w)
-                            for start, (end, w) in layer.shards.items()}
-        # Consecutive shards of one kind (one block format, or float) make one segment.
-        segments: list[_Segment] = []
-        for start, (end, weight) in sorted(layer.shards.items()):
-            kind = weight.fmt if isinstance(weight, QuantizedWeight) else "dense"
-            last = segments[-1] if segments else None
-            last_kind = None if last is None else (last.quantized.fmt if last.quantized is not None
-                                                   else "dense")
-            if last is not None and last_kind == kind and last.end == start:
-                if isinstance(weight, QuantizedWeight):
-                    assert last.quantized is not None
-                    last.quantized = QuantizedWeight.cat([last.quantized, weight])
-                else:
-                    assert last.dense is not None
-                    last.dense = torch.cat([last.dense, weight])
-                last.end = end
-            elif isinstance(weight, QuantizedWeight):
-                segments.append(_Segment(start, end, weight))
-            else:
-                segments.append(_Segment(start, end, None, weight))
-        layer.shards = {}
-        bias = None if layer.bias is None else layer.bias.data
-        for i, segment in enumerate(segments):
-            if segment.dense is not None:
-                seg_bias = None if bias is None else bias[segment.start:segment.end]
-                segment.gemm = PackedGemm.create(segment.dense, seg_bias, ops)
-                if segment.gemm is not None:
-                    segment.dense = None  # the packed copy replaces it
-            elif segment.quantized is not None:
-                layer.add_module(f"quantized_{i}", segment.quantized)
-        layer.segments = segments
-        layer.ops = ops
-
-    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        segments, bias = layer.segments, layer.bias
-        if len(segments) == 1 and segments[0].quantized is None:  # one dense weight: no copy
-            dense = segments[0]
-            out = dense.gemm(rows) if dense.gemm is not None else F.linear(rows, dense.dense, bias)
-            out = out.view(*x.shape[:-1], layer.output_size)
-            return layer.act(out) if layer.act is not None else out
-        out = rows.new_empty(rows.shape[0], layer.output_size)
-        for segment in segments:
-            seg_bias = None if bias is None else bias[segment.start:segment.end]
-            target = out[:, segment.start:segment.end]
-            if segment.quantized is not None:
-                segment.quantized.matmul_into(target, rows, seg_bias, layer.ops)
-            elif segment.gemm is not None:
-                target.copy_(segment.gemm(rows))  # the packed weight carries the bias
-            else:
-                assert segment.dense is not None
-                target.copy_(F.linear(rows, segment.dense, seg_bias))
-        out = out.view(*x.shape[:-1], layer.output_size)
-        return layer.act(out) if layer.act is not None else out
-
-    def describe(self, layer: LinearBase) -> str:
-        parts = []
-        for segment in layer.segments:
-            if segment.quantized is not None:
-                parts.append(segment.quantized.describe(layer.ops, layer.compute_dtype))
-            elif segment.gemm is not None:
-                parts.append(segment.gemm.describe())
-            else:
-                parts.append("ATen linear")
-        return "; ".join(parts)
+            layer.shards[start] = Shard(end, loaded.to(layer.compute_dtype))
