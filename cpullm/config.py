@@ -7,6 +7,8 @@ changes them. Derived values are properties.
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,17 +70,26 @@ class ModelConfig:
             return None
         return getattr(self.hf_config, "sliding_window", None)
 
+    @property
+    def keeps_quantized(self) -> bool:
+        """Whether quantized weights stay quantized: where the quantized kernels run
+        (AVX-512 VNNI, bfloat16 compute; see layers/quantization/kept.py)."""
+        from cpullm.platform.cpu import cpu_info
+
+        return self.dtype == torch.bfloat16 and not self.enforce_eager and {
+            "avx512_vnni", "avx512bw"} <= cpu_info().flags
+
     def weight_bytes(self) -> int:
         """Memory the weights take once loaded: a GGUF file's tensors as kept (blocks stay
-        quantized), a folder's in the compute dtype (Llama-family layout)."""
+        quantized), a quantized folder's files as they are, a folder's in the compute dtype
+        (Llama-family layout)."""
         if self.quantization == "gguf" and self.source.gguf_path is not None:
             from cpullm.model_executor.loader.gguf_loader import gguf_weight_bytes
-            from cpullm.platform.cpu import cpu_info
 
-            # The blocks stay quantized where the quantized kernels run (see gguf.py).
-            kept = self.dtype == torch.bfloat16 and not self.enforce_eager and {
-                "avx512_vnni", "avx512bw"} <= cpu_info().flags
-            return gguf_weight_bytes(self.source.gguf_path, self.dtype, kept)
+            return gguf_weight_bytes(self.source.gguf_path, self.dtype, self.keeps_quantized)
+        if self.quantization not in (None, "fp8") and self.keeps_quantized:
+            files = glob.glob(os.path.join(self.source.directory, "*.safetensors"))
+            return sum(os.path.getsize(f) for f in files)
         c = self.hf_config
         hidden, inter = c.hidden_size, c.intermediate_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

@@ -12,6 +12,11 @@ from cpullm import envs
 from cpullm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from cpullm.engine.kv_cache_manager import PREFIX_CACHING_HASH_ALGOS
 from cpullm.logger import init_logger
+from cpullm.model_executor.layers.quantization import (
+    QUANTIZATION_METHODS,
+    canonical_method,
+    get_quantization_config,
+)
 from cpullm.platform import CpuTopology, format_cpu_list, plan_binding, resolve_dtype
 from cpullm.transformers_utils import (
     DEFAULT_MODEL_NAME,
@@ -116,8 +121,10 @@ class EngineArgs:
                             help="plain torch ops instead of the compiled CPU kernels "
                             "(for debugging)")
         parser.add_argument("--quantization", "-q", default=d.quantization,
-                            help="the checkpoint's quantization format, as vLLM names it; "
-                            "unset: found from the checkpoint (gguf for a .gguf file)")
+                            help="the checkpoint's quantization format, as vLLM names it ("
+                            + ", ".join(QUANTIZATION_METHODS) + "); unset: found from the "
+                            "checkpoint (gguf for a .gguf file, else config.json's "
+                            "quantization_config)")
         return parser
 
     @classmethod
@@ -150,7 +157,7 @@ class EngineArgs:
         if max_model_len > max_position:
             raise ValueError(f"max_model_len={max_model_len} is larger than the model's "
                              f"max_position_embeddings={max_position}")
-        quantization = self._quantization(source)
+        quantization = self._quantization(source, hf_config)
         chat_template = self.chat_template
         if chat_template and "{" not in chat_template:
             with open(chat_template) as f:
@@ -175,19 +182,34 @@ class EngineArgs:
                             self.enable_prefix_caching)
         return EngineConfig(model_config, cache, scheduler, parallel)
 
-    def _quantization(self, source: ModelSource) -> str | None:
-        """The checkpoint's format: gguf for a GGUF file, else dense. A --quantization that
-        names another format, or gguf for a folder, is refused by name."""
+    def _quantization(self, source: ModelSource, hf_config: object) -> str | None:
+        """The checkpoint's format: gguf for a GGUF file, the ``quant_method`` of a folder's
+        ``quantization_config``, else None (dense). A --quantization that names another
+        format, or a format or scheme cpullm does not run, is refused by name."""
+        config = getattr(hf_config, "quantization_config", None)
+        if config is not None and not isinstance(config, dict):
+            config = config.to_dict()
         found = "gguf" if source.gguf_file else None
-        if self.quantization is not None and self.quantization != found:
-            supported = "gguf (for a .gguf file)"
-            if self.quantization == "gguf":
+        if found is None and config:
+            found = canonical_method(str(config.get("quant_method", "")))
+            if found not in QUANTIZATION_METHODS or found == "gguf":
+                raise ValueError(f"quantization: the checkpoint's format {found!r} is not "
+                                 f"supported; supported: {', '.join(QUANTIZATION_METHODS)}")
+        asked = None if self.quantization is None else canonical_method(self.quantization)
+        if asked is not None and asked != found:
+            if asked not in QUANTIZATION_METHODS:
+                raise ValueError(f"quantization: {self.quantization!r} is not supported; "
+                                 f"supported: {', '.join(QUANTIZATION_METHODS)}")
+            if asked == "gguf":
                 raise ValueError(f"quantization: gguf needs a .gguf model file; {source.directory}"
                                  " is a folder")
-            raise ValueError(f"quantization: {self.quantization!r} is not supported; supported: "
-                             f"{supported}, or unset for dense weights")
-        if found == "gguf":
-            logger.info("Quantization: gguf (the blocks kept quantized)")
+            raise ValueError(f"quantization: {self.quantization!r} does not match the "
+                             f"checkpoint, which is {found or 'dense (no quantization_config)'}"
+                             "; cpullm does not quantize weights at load")
+        if found is not None:
+            get_quantization_config(found, hf_config)  # an unsupported scheme fails here
+            logger.info("Quantization: %s (the weights kept quantized where the kernels run)",
+                        found)
         return found
 
     def _num_kv_blocks(self, model_config: ModelConfig, parallel: ParallelConfig) -> int:

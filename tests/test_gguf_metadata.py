@@ -93,8 +93,10 @@ def test_quantization_flag_as_vllm_spells_it(tiny_model):
     assert config(folder).model.quantization is None
     with pytest.raises(ValueError, match="quantization: gguf needs a .gguf"):
         config(folder, quantization="gguf")
-    with pytest.raises(ValueError, match="quantization: 'awq' is not supported"):
+    with pytest.raises(ValueError, match="quantization: 'awq' does not match the checkpoint"):
         config(folder, quantization="awq")
+    with pytest.raises(ValueError, match="quantization: 'bitsandbytes' is not supported"):
+        config(folder, quantization="bitsandbytes")
 
 
 @pytest.mark.parametrize("with_q5", [False, True])

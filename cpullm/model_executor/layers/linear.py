@@ -23,6 +23,7 @@ class LinearBase(nn.Module):
     """``y = x @ W.T + b`` with W of shape [output_size, input_size]."""
 
     gemm: PackedGemm | None = None  # the dense method's packed weight, set after loading
+    shard_ids: tuple[str | int | None, ...] = (None,)  # the checkpoint tensors it takes
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  dtype: torch.dtype | None = None,
@@ -71,6 +72,7 @@ class MergedColumnLinear(LinearBase):
                  dtype: torch.dtype | None = None,
                  quant_config: QuantizationConfig | None = None) -> None:
         self.output_sizes = output_sizes
+        self.shard_ids = tuple(range(len(output_sizes)))
         super().__init__(input_size, sum(output_sizes), bias, dtype, quant_config)
 
     def shard_range(self, shard_id: str | int | None) -> tuple[int, int]:
@@ -94,6 +96,8 @@ class GateUpSiluLinear(MergedColumnLinear):
 
 class QKVLinear(LinearBase):
     """q_proj, k_proj and v_proj as one layer; shard ids are "q", "k", "v"."""
+
+    shard_ids = ("q", "k", "v")
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False, dtype: torch.dtype | None = None,

@@ -13,8 +13,8 @@ from cpullm.logger import init_logger
 from cpullm.model_executor.layers.embedding import LMHead
 from cpullm.model_executor.layers.linear import LinearBase
 from cpullm.model_executor.layers.ops import KernelTable
+from cpullm.model_executor.layers.quantization import get_quantization_config
 from cpullm.model_executor.layers.quantization.dense import PackedGemm
-from cpullm.model_executor.layers.quantization.gguf import GGUFConfig
 from cpullm.model_executor.loader.gguf_loader import iterate_gguf
 from cpullm.model_executor.loader.safetensors_loader import iterate_safetensors
 from cpullm.model_executor.models import get_model_class
@@ -28,9 +28,9 @@ def get_model(config: ModelConfig, ops: KernelTable | None) -> nn.Module:
     start = time.perf_counter()
     source = config.source
     logger.info("Loading the weights from %s%s", source.gguf_file or source.directory,
-                " (GGUF blocks kept quantized)" if source.gguf_file else "")
+                f" ({config.quantization})" if config.quantization else "")
     model_class = get_model_class(config.architecture)
-    quant_config = GGUFConfig() if config.quantization == "gguf" else None
+    quant_config = get_quantization_config(config.quantization, config.hf_config)
     model = model_class(config.hf_config, config.max_model_len, config.dtype, ops, quant_config)
     if source.gguf_path is not None:
         weights = iterate_gguf(source.gguf_path, config.num_heads, config.num_kv_heads)
@@ -38,9 +38,12 @@ def get_model(config: ModelConfig, ops: KernelTable | None) -> nn.Module:
         weights = iterate_safetensors(source.directory)
     with torch.no_grad():
         model.load_weights(weights)  # type: ignore[operator]
-        for module in model.modules():
+        for name, module in model.named_modules():
             if hasattr(module, "process_weights_after_loading"):
-                module.process_weights_after_loading(ops)
+                try:
+                    module.process_weights_after_loading(ops)
+                except ValueError as e:
+                    raise ValueError(f"cannot load {name}: {e}") from None
     model.eval()
     _log_gemm_paths(model, config.dtype)
     logger.info("Loaded %s (%s, %.0f MB of weights, %s, %s) in %.2f s", config.architecture,

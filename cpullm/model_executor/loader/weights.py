@@ -2,7 +2,10 @@
 
 A checkpoint name either matches a parameter, or is one shard of a merged parameter
 (``q_proj`` -> ``qkv_proj`` shard "q"). Loading fails on an unknown name, a missing
-parameter or shard, a shape mismatch or a non-float tensor; nothing is silently skipped.
+parameter or shard, a shape mismatch or a non-float tensor (unless the parameter takes
+integers: a quantized format's packed weights); nothing is silently skipped. A parameter
+marked ``optional`` (a quantized layer's, which has either a float weight or its format's
+tensors) may be absent; its layer checks what it got.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
                        stacked_params: dict[str, tuple[str, str | int]],
                        skip: set[str]) -> None:
     params = dict(model.named_parameters())
-    expected: dict[str, set[str | int | None]] = {name: {None} for name in params}
-    for name in params:
+    expected: dict[str, set[str | int | None]] = {
+        name: {None} for name, param in params.items() if not getattr(param, "optional", False)}
+    for name in expected:
         for merged, _ in stacked_params.values():
             if f".{merged}." in name:
                 expected[name] = {s for m, s in stacked_params.values() if m == merged}
@@ -30,9 +34,6 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     for ckpt_name, tensor in weights:
         if ckpt_name in skip or ckpt_name.endswith(_IGNORED_SUFFIXES):
             continue
-        if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point():
-            raise ValueError(f"checkpoint tensor {ckpt_name} has dtype {tensor.dtype}; "
-                             "a floating-point tensor is expected")
         name, shard = ckpt_name, None
         for part, (merged, shard_id) in stacked_params.items():
             if f".{part}." in ckpt_name:
@@ -42,6 +43,10 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         if param is None:
             raise ValueError(f"checkpoint tensor {ckpt_name} has no matching parameter in "
                              f"{type(model).__name__}")
+        if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point() \
+                and not getattr(param, "takes_integers", False):
+            raise ValueError(f"checkpoint tensor {ckpt_name} has dtype {tensor.dtype}; "
+                             "a floating-point tensor is expected")
         try:
             loader = getattr(param, "weight_loader", None)
             if loader is not None:
@@ -54,8 +59,8 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
             raise ValueError(f"cannot load {ckpt_name} into {name}: {e}") from None
         loaded[name].add(shard)
 
-    missing = [f"{name}" + (f" (shards {sorted(map(str, expected[name] - got))})"
-                            if expected[name] != {None} else "")
-               for name, got in loaded.items() if expected[name] - got]
+    missing = [f"{name}" + (f" (shards {sorted(map(str, want - loaded[name]))})"
+                            if want != {None} else "")
+               for name, want in expected.items() if want - loaded[name]]
     if missing:
         raise ValueError(f"checkpoint lacks weights for: {', '.join(missing)}")

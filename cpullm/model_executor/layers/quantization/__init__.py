@@ -61,3 +61,39 @@ class QuantizationConfig(ABC):
     @abstractmethod
     def linear_method(self, layer: LinearBase) -> LinearMethod:
         """The method for ``layer``; a format may leave some layers dense."""
+
+
+# --quantization's values, as vLLM names them (marlin: vLLM's GPU kernels for the same
+# checkpoints, accepted for the flags to carry over)
+QUANTIZATION_METHODS = ("gguf", "awq", "gptq", "compressed-tensors", "fp8")
+_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
+
+
+def canonical_method(name: str) -> str:
+    return _ALIASES.get(name.lower(), name.lower())
+
+
+def get_quantization_config(method: str | None, hf_config: object) -> QuantizationConfig | None:
+    """The config of a checkpoint in format ``method`` (GGUF, or one whose config.json has
+    a ``quantization_config``); None for dense weights. An unsupported scheme of a
+    supported format is refused by name (ValueError)."""
+    if method is None:
+        return None
+    if method == "gguf":
+        from cpullm.model_executor.layers.quantization.gguf import GGUFConfig
+
+        return GGUFConfig()
+    from cpullm.model_executor.layers.quantization.awq import AWQConfig
+    from cpullm.model_executor.layers.quantization.compressed_tensors import (
+        CompressedTensorsConfig,
+        FP8Config,
+    )
+    from cpullm.model_executor.layers.quantization.gptq import GPTQConfig
+
+    configs: dict[str, type[QuantizationConfig]] = {
+        "awq": AWQConfig, "gptq": GPTQConfig, "compressed-tensors": CompressedTensorsConfig,
+        "fp8": FP8Config}
+    config = getattr(hf_config, "quantization_config", None) or {}
+    if not isinstance(config, dict):
+        config = config.to_dict()
+    return configs[method](config)  # type: ignore[call-arg]

@@ -1,0 +1,233 @@
+"""Integer weights with a scale (and a zero point) per group of input columns — what AWQ,
+GPTQ and compressed-tensors store, each in its own packing — and the linear method that
+loads them into the kernels' layout.
+
+Each format's ``CheckpointScheme`` names the tensors of a quantized layer and unpacks one
+shard's tensors into ``IntGroups``:
+
+    w[r, c] = scales[r, g] * (q[r, c] - zeros[r, g]),   g = the group of column c
+
+with q unsigned (0 .. 2^bits - 1). ``IntGroups.to_weight`` keeps it for the kernels as a
+``QuantizedWeight``: u = q, a block per group (groups larger than the kernels' largest
+block of 128, and per-channel scales, repeat their scale per block), float16 scales where
+they fit, and a zero point where every group has the same one (symmetric checkpoints), or
+a min per block, m = -s z, otherwise. Act order (GPTQ's ``desc_act``, compressed-tensors'
+``actorder``) sorts the columns by group and gathers x to match. Where the kernels do not
+run, a shard is dequantized once, exactly, in float32 (``IntGroups.dequantize``).
+
+Which layers are quantized is read from the checkpoint itself: a shard whose tensors are
+the scheme's is kept quantized, one with a float ``weight`` dense (``ignore`` lists,
+``modules_to_not_convert``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from cpullm.model_executor.layers.ops import KernelTable
+from cpullm.model_executor.layers.quantization import LinearMethod, QuantizationConfig
+from cpullm.model_executor.layers.quantization.gguf_blocks import BlockFormat, pack
+from cpullm.model_executor.layers.quantization.kept import (
+    KeptLinearMethod,
+    QuantizedWeight,
+    Shard,
+)
+
+if TYPE_CHECKING:
+    from cpullm.model_executor.layers.linear import LinearBase
+
+KERNEL_BLOCKS = (128, 64, 32, 16)  # the block sizes the kernels run, largest first
+_FLOAT16_TINY = 2.0 ** -14  # float16's smallest normal number
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Values of ``bits`` bits packed 32 / bits to an int32 along ``dim`` (value j of a word
+    in bits [j bits, (j + 1) bits)), as int32 [.., words * 32 / bits, ..]."""
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, dtype=torch.int32) * bits
+    values = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    rows, cols = packed.shape
+    if dim == 0:  # [rows, cols, per_word] -> [rows * per_word, cols]
+        return values.permute(0, 2, 1).reshape(rows * per_word, cols)
+    return values.reshape(rows, cols * per_word)
+
+
+@dataclass
+class IntGroups:
+    """A weight [n, k] as unsigned integers ``q`` with ``scales`` [n, groups] and ``zeros``
+    [n, groups] (None: 2^(bits - 1) everywhere), ``group_size`` consecutive columns a group
+    (after ``perm``, if any: column j of ``q`` is column perm[j] of the weight)."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    bits: int
+    group_size: int
+    perm: torch.Tensor | None = None
+
+    @classmethod
+    def with_group_index(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                         bits: int, group_size: int, g_idx: torch.Tensor | None) -> IntGroups:
+        """From a checkpoint whose column c is in group g_idx[c] (act order): the columns
+        sorted by group, if they are not in order already."""
+        k = q.shape[1]
+        if g_idx is None or torch.equal(g_idx.long(), torch.arange(k) // group_size):
+            return cls(q, scales, zeros, bits, group_size)
+        g_idx = g_idx.long()
+        counts = torch.bincount(g_idx, minlength=scales.shape[1])
+        if counts.numel() != scales.shape[1] or not bool((counts == group_size).all()):
+            raise ValueError(f"act order: every group must have {group_size} columns; the "
+                             f"group index gives {sorted(set(counts.tolist()))}")
+        perm = torch.argsort(g_idx, stable=True)
+        return cls(q[:, perm].contiguous(), scales, zeros, bits, group_size, perm)
+
+    def __post_init__(self) -> None:
+        n, k = self.q.shape
+        if self.bits not in (4, 8):
+            raise ValueError(f"{self.bits}-bit weights are not supported (4 or 8 bits)")
+        if k % self.group_size or self.scales.shape != (n, k // self.group_size):
+            raise ValueError(f"scales {tuple(self.scales.shape)} do not fit a [{n}, {k}] weight "
+                             f"in groups of {self.group_size}")
+        if self.zeros is not None and self.zeros.shape != self.scales.shape:
+            raise ValueError(f"zero points {tuple(self.zeros.shape)} do not match scales "
+                             f"{tuple(self.scales.shape)}")
+
+    def zero_points(self) -> torch.Tensor:
+        if self.zeros is not None:
+            return self.zeros.to(torch.int32)
+        return torch.full(self.scales.shape, 1 << (self.bits - 1), dtype=torch.int32)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight in float32, in the checkpoint's column order: s (q - z)."""
+        n, k = self.q.shape
+        q = self.q.to(torch.int32).view(n, -1, self.group_size)  # [n, groups, group_size]
+        w = (q - self.zero_points()[..., None]).float() * self.scales.float()[..., None]
+        w = w.view(n, k)
+        if self.perm is None:
+            return w
+        restored = torch.empty_like(w)
+        restored[:, self.perm] = w
+        return restored
+
+    def block(self) -> int | None:
+        """The kernels' block for these groups: the largest that divides the group."""
+        k = self.q.shape[1]
+        return next((b for b in KERNEL_BLOCKS if self.group_size % b == 0 and k % b == 0), None)
+
+    def to_weight(self, qtype: str, origin: str) -> QuantizedWeight | None:
+        """The weight in the kernels' layout, or None where no block fits (a row length
+        that is not a multiple of 16)."""
+        block = self.block()
+        if block is None:
+            return None
+        repeat = self.group_size // block
+        scales = self.scales.float().repeat_interleave(repeat, dim=1)  # [n, k / block]
+        zeros = self.zero_points()
+        constant = int(zeros.flatten()[0]) if bool((zeros == zeros.flatten()[0]).all()) else None
+        mins = None
+        if constant is None:
+            mins = (-scales * zeros.float().repeat_interleave(repeat, dim=1))
+        fits = all(bool((t.abs()[t != 0] >= _FLOAT16_TINY).all()) and
+                   float(t.abs().max()) < 65504 for t in (scales, mins) if t is not None)
+        dtype = torch.float16 if fits else torch.float32
+        fmt = BlockFormat(self.bits, block, str(dtype).removeprefix("torch."), constant)
+        data = torch.from_numpy(pack(self.q.to(torch.uint8).numpy(), self.bits, block))
+        return QuantizedWeight(fmt, data, scales.to(dtype).contiguous(),
+                               None if mins is None else mins.to(dtype).contiguous(),
+                               self.q.shape[1], qtype, origin)
+
+
+class CheckpointScheme(ABC):
+    """How one format stores a quantized linear layer: its tensors' names and how one
+    shard's tensors unpack."""
+
+    origin: str  # the format's name, for the logs
+    # name -> whether it holds integers (packed words, zero points, group index)
+    tensors: dict[str, bool]
+
+    @abstractmethod
+    def is_quantized(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Whether a shard's tensors are a quantized weight (else a dense ``weight``)."""
+
+    @abstractmethod
+    def unpack(self, tensors: dict[str, torch.Tensor], rows: int, k: int
+               ) -> IntGroups | torch.Tensor:
+        """A quantized shard [rows, k] as integer groups (or, for float formats the kernels
+        do not keep, as a float32 weight)."""
+
+    def qtype(self, groups: IntGroups) -> str:
+        size = "channel" if groups.group_size == groups.q.shape[1] else f"g{groups.group_size}"
+        return f"int{groups.bits} {size}"
+
+
+class GroupQuantConfig(QuantizationConfig):
+    """A checkpoint of one ``CheckpointScheme``: every linear layer gets its method."""
+
+    scheme: CheckpointScheme
+
+    def linear_method(self, layer: LinearBase) -> LinearMethod:
+        return GroupedLinearMethod(self.scheme)
+
+
+class GroupedLinearMethod(KeptLinearMethod):
+    """A linear layer from an AWQ, GPTQ or compressed-tensors checkpoint: each shard's
+    tensors collected as they load, then unpacked and kept (see the module docstring)."""
+
+    def __init__(self, scheme: CheckpointScheme) -> None:
+        self.scheme = scheme
+
+    def create_weights(self, layer: LinearBase, bias: bool, dtype: torch.dtype | None) -> None:
+        layer.pending = {}  # shard id -> checkpoint tensor name -> tensor
+        names = {"weight": False, **self.scheme.tensors}
+        for name, integer in names.items():
+            param = nn.Parameter(torch.empty(0, dtype=torch.int32 if integer else dtype),
+                                 requires_grad=False)
+            param.weight_loader = lambda p, loaded, shard_id=None, name=name: (  # type: ignore[attr-defined]
+                layer.pending.setdefault(shard_id, {}).__setitem__(name, loaded))
+            param.optional = True  # type: ignore[attr-defined] - which ones come is the shard's
+            param.takes_integers = True  # type: ignore[attr-defined]
+            setattr(layer, name, param)
+        super().create_weights(layer, bias, dtype)
+
+    def process_weights_after_loading(self, layer: LinearBase, ops: KernelTable | None) -> None:
+        kept = QuantizedWeight.kernels_run(ops, layer.compute_dtype)
+        expected = set(layer.shard_ids)
+        if set(layer.pending) != expected:
+            missing = sorted(map(str, expected - set(layer.pending)))
+            raise ValueError(f"the checkpoint lacks the weights of shards {missing}")
+        for shard_id, tensors in layer.pending.items():
+            start, end = layer.shard_range(shard_id)
+            rows, k = end - start, layer.input_size
+            if not self.scheme.is_quantized(tensors):
+                weight = tensors.get("weight")
+                if weight is None or not weight.is_floating_point():
+                    raise ValueError(f"shard {shard_id!r} has neither a float weight nor the "
+                                     f"tensors of {self.scheme.origin} "
+                                     f"(it has {sorted(tensors)})")
+                self.check_shape(layer, shard_id, tuple(weight.shape))
+                layer.shards[start] = Shard(end, weight.to(layer.compute_dtype))
+                continue
+            try:
+                groups = self.scheme.unpack(tensors, rows, k)
+            except (ValueError, RuntimeError) as e:
+                raise ValueError(f"shard {shard_id!r}: {e}") from None
+            if isinstance(groups, torch.Tensor):
+                self.check_shape(layer, shard_id, tuple(groups.shape))
+                layer.shards[start] = Shard(end, groups.to(layer.compute_dtype))
+                continue
+            self.check_shape(layer, shard_id, tuple(groups.q.shape))
+            weight = groups.to_weight(self.scheme.qtype(groups), self.scheme.origin) \
+                if kept else None
+            if weight is None:
+                layer.shards[start] = Shard(end, groups.dequantize().to(layer.compute_dtype))
+            else:
+                layer.shards[start] = Shard(end, weight, groups.perm)
+        layer.pending = {}
+        for name in ("weight", *self.scheme.tensors):
+            delattr(layer, name)
+        super().process_weights_after_loading(layer, ops)

@@ -1,0 +1,443 @@
+"""AWQ, GPTQ and compressed-tensors checkpoints kept quantized.
+
+Checkpoints are made here: AWQ and GPTQ packed from the formats' published layouts
+(round-to-nearest quantization of a tiny random Llama), compressed-tensors by the
+compressed-tensors library itself. Every kernel is checked against a float reference on
+the dequantized weights for groups of 32, 64 and 128, per channel, symmetric and not, with
+act order; each format end to end: in float32 (dequantized once at load) the greedy tokens
+equal transformers' on the dequantized weights; in bfloat16 (kept quantized) they follow
+them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from cpullm.model_executor.layers.ops import load_ops
+from cpullm.model_executor.layers.quantization.awq import ORDER
+from cpullm.model_executor.layers.quantization.gguf_blocks import pack, unpack
+from cpullm.model_executor.layers.quantization.int_groups import IntGroups
+from cpullm.model_executor.layers.quantization.kept import (
+    KeptLinearMethod,
+    QuantizedWeight,
+    Shard,
+)
+
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
+
+
+def _kernels() -> tuple:
+    ops = load_ops()
+    found = []
+    if ops is not None and ops.quant_gemm is not None:
+        found.append("int8")
+    if ops is not None and ops.quant_gemm_bf16 is not None:
+        found.append("panels")
+    return ops, found
+
+
+def rtn(w: torch.Tensor, bits: int, group: int, symmetric: bool
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest quantization of w [n, k] in groups of ``group`` columns: q [n, k],
+    float16 scales and integer zero points [n, k / group]."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    top = (1 << bits) - 1
+    if symmetric:
+        scales = (g.abs().amax(-1) / (top / 2)).clamp(min=1e-6).half()
+        zeros = torch.full(scales.shape, (top + 1) // 2, dtype=torch.int32)
+    else:
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scales = ((hi - lo) / top).clamp(min=1e-6).half()
+        zeros = torch.round(-lo / scales.float()).clamp(0, top).to(torch.int32)
+    q = torch.round(g / scales.float()[..., None]) + zeros[..., None]
+    return q.clamp(0, top).to(torch.int32).reshape(n, k), scales, zeros
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
+               ) -> torch.Tensor:
+    n, k = q.shape
+    w = (q.reshape(n, k // group, group) - zeros[..., None]).float() * scales.float()[..., None]
+    return w.reshape(n, k)
+
+
+def random_groups(n: int, k: int, bits: int, group: int, symmetric: bool,
+                  act_order: bool = False, seed: int = 0) -> IntGroups:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    perm = torch.randperm(k, generator=gen) if act_order else None
+    q, scales, zeros = rtn(w if perm is None else w[:, perm], bits, group, symmetric)
+    groups = IntGroups(q, scales, None if symmetric else zeros, bits, group, perm)
+    return groups
+
+
+@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_unpack_round_trip_large_blocks(bits, block):
+    rng = np.random.default_rng(1)
+    for blocks in (1, 2, 3, 5, 16, 18):
+        u = rng.integers(0, 1 << bits, size=(3, blocks * block), dtype=np.uint8)
+        assert np.array_equal(unpack(pack(u, bits, block), bits, block, blocks * block), u)
+
+
+CASES = [  # bits, group (k: per channel), symmetric, act order
+    (4, 32, False, False), (4, 64, True, False), (4, 128, False, False),
+    (4, 128, True, True), (4, "k", False, False), (8, 128, True, False),
+    (8, "k", True, False), (8, 32, False, True), (4, 256, False, False)]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 17, 600])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_kernels_match_dequantized_reference(case, rows):
+    """Every kernel this machine runs, forced, against x @ W.T in float32 on the exactly
+    dequantized weights. k = 640: five blocks of 128 (a short last group)."""
+    bits, group, symmetric, act_order = case
+    n, k = 96, 640 if group != 256 else 768
+    groups = random_groups(n, k, bits, k if group == "k" else group, symmetric, act_order)
+    weight = groups.to_weight("test", "test")
+    assert weight is not None
+    assert weight.fmt.block == (128 if group in ("k", 256) else group)
+    assert (weight.fmt.zero is not None) == symmetric
+    reference = groups.dequantize()
+    kept = Shard(n, weight, groups.perm)
+    # the kept weight, restored to the checkpoint's column order, is the same weight (its
+    # mins are float16 products: within float16 rounding)
+    rounding = float(groups.scales.float().max()) * ((1 << bits) - 1) * 2 ** -11
+    assert torch.allclose(KeptLinearMethod.dense_weight(kept, torch.float32), reference,
+                          rtol=0, atol=rounding)
+    ops, kernels = _kernels()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    expected = x.float() @ reference.T + bias.float()
+    inputs = x if groups.perm is None else x.index_select(1, groups.perm)
+    for kernel in ["torch", *kernels]:
+        out = torch.empty(rows, n, dtype=torch.bfloat16)
+        weight.matmul_into(out, inputs, bias, ops, kernel=kernel)
+        error = (out.float() - expected).norm() / expected.norm()
+        assert error < (0.012 if kernel == "int8" else 0.004), (kernel, error)
+
+
+def test_awq_word_layout():
+    """AWQ's published order: the eight columns 0..7 of a row, valued 0..7, make the word
+    0x75316420 (nibble j holds column ORDER[j])."""
+    from cpullm.model_executor.layers.quantization.awq import unpack_awq
+
+    values = torch.arange(8, dtype=torch.int32).reshape(1, 8)
+    word = _pack_awq(values)
+    assert int(word[0, 0]) & 0xFFFFFFFF == 0x75316420
+    assert torch.equal(unpack_awq(word), values)
+
+
+# ----- checkpoints, packed from the formats' layouts -----
+
+def _to_int32(words: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit words (in int64) as the int32 a checkpoint stores."""
+    return ((words + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32)
+
+
+def _pack_along(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """32 / bits values to a word along ``dim``, value j at bits j * bits."""
+    per = 32 // bits
+    v = values.to(torch.int64) & ((1 << bits) - 1)
+    if dim == 0:
+        v = v.reshape(-1, per, v.shape[1]).transpose(1, 2)  # [words, cols, per]
+    else:
+        v = v.reshape(v.shape[0], -1, per)
+    shifts = torch.arange(per, dtype=torch.int64) * bits
+    return _to_int32((v << shifts).sum(-1))
+
+
+def _pack_awq(values: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] 4-bit values -> [rows, cols / 8] words in AWQ's order."""
+    rows, cols = values.shape
+    ordered = values.reshape(rows, cols // 8, 8)[:, :, list(ORDER)].reshape(rows, cols)
+    return _pack_along(ordered, 4, dim=1)
+
+
+def pack_gptq(q, scales, zeros, bits, g_idx, v2):
+    return {"qweight": _pack_along(q.T, bits, dim=0),
+            "qzeros": _pack_along(zeros.T - (0 if v2 else 1), bits, dim=1),
+            "scales": scales.T.contiguous(), "g_idx": g_idx.to(torch.int32)}
+
+
+def pack_awq(q, scales, zeros, bits, g_idx, v2):
+    return {"qweight": _pack_awq(q.T), "qzeros": _pack_awq(zeros.T),
+            "scales": scales.T.contiguous()}
+
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _tiny_llama(tokenizer_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                         num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                         num_key_value_heads=KV_HEADS, vocab_size=len(tokenizer),
+                         max_position_embeddings=512, initializer_range=0.1,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def write_checkpoint(root: Path, tokenizer_dir: Path, method: str, bits: int, group: int,
+                     symmetric: bool, act_order: bool, v2: bool = False,
+                     not_converted: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    """An AWQ or GPTQ folder of a tiny random Llama, and a float32 folder of the same
+    model with the dequantized weights (the reference)."""
+    from transformers import AutoTokenizer
+
+    model = _tiny_llama(tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    quantized, reference = root / "quantized", root / "reference"
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    tensors: dict[str, torch.Tensor] = {}
+    gen = torch.Generator().manual_seed(1)
+    for name in list(state):
+        module = name.removesuffix(".weight")
+        if not name.endswith(".weight") or not module.endswith(LINEARS) or \
+                module.endswith(not_converted):
+            tensors[name] = state[name]
+            continue
+        w = state[name]
+        n, k = w.shape
+        size = k if group == -1 else group
+        perm = torch.randperm(k, generator=gen) if act_order else torch.arange(k)
+        q_sorted, scales, zeros = rtn(w[:, perm], bits, size, symmetric)
+        q = torch.empty_like(q_sorted)
+        q[:, perm] = q_sorted  # back in the checkpoint's column order
+        g_idx = torch.empty(k, dtype=torch.int64)
+        g_idx[perm] = torch.arange(k) // size  # column perm[j] is in group j / size
+        state[name] = torch.empty_like(w)
+        state[name][:, perm] = dequantize(q_sorted, scales, zeros, size)
+        packer = pack_gptq if method == "gptq" else pack_awq
+        for suffix, tensor in packer(q, scales, zeros, bits, g_idx, v2).items():
+            tensors[f"{module}.{suffix}"] = tensor
+    model.load_state_dict(state)
+    model.save_pretrained(reference)
+    tokenizer.save_pretrained(reference)
+    model.config.save_pretrained(quantized)
+    tokenizer.save_pretrained(quantized)
+    if method == "gptq":
+        qconfig = {"quant_method": "gptq", "bits": bits, "group_size": group,
+                   "desc_act": act_order, "sym": symmetric,
+                   "checkpoint_format": "gptq_v2" if v2 else "gptq"}
+    else:
+        qconfig = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                   "version": "gemm", "modules_to_not_convert": list(not_converted) or None}
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = qconfig
+    (quantized / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(quantized / "model.safetensors"))
+    return quantized, reference
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [100, 2000, 30000, 7]]
+
+
+def _generate(model: str, dtype: str, max_tokens: int = 16):
+    from cpullm import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype=dtype, max_model_len=256, kv_cache_memory_bytes=1 << 24)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return llm.llm_engine.model_runner.model, [o.outputs[0] for o in outputs]
+
+
+def _transformers_tokens(reference: Path | torch.nn.Module, max_tokens: int = 16
+                         ) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = reference if isinstance(reference, torch.nn.Module) else \
+        AutoModelForCausalLM.from_pretrained(str(reference), dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    out = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_tokens)
+        out.append(got[0, len(prompt):].tolist())
+    return out
+
+
+def _check_end_to_end(quantized: Path, expected: list[list[int]], origin: str | None) -> None:
+    """float32: exactly the reference's tokens; bfloat16, kept quantized where the kernels
+    run: every linear layer's weights quantized (but those the checkpoint keeps in floats),
+    the greedy tokens following float32's (at the first difference, each side's token in
+    the other's top 5), and the weights' memory within 15% of the checkpoint's. ``origin``
+    None: a format that is dequantized at load (FP8)."""
+    from cpullm.model_executor.layers.linear import LinearBase
+
+    model, exact = _generate(str(quantized), "float32")
+    assert [o.token_ids for o in exact] == expected
+    assert all(s.quantized is None for m in model.modules() if isinstance(m, LinearBase)
+               for s in m.segments)
+    ops, _ = _kernels()
+    if not QuantizedWeight.kernels_run(ops, torch.bfloat16):
+        return  # bfloat16 runs dequantized too on this CPU
+    model, kept = _generate(str(quantized), "bfloat16")
+    weights = [m for m in model.modules() if isinstance(m, QuantizedWeight)]
+    assert all(w.origin == origin for w in weights) and bool(weights) == (origin is not None)
+    for a, b in zip(exact, kept, strict=True):
+        for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)):
+            if x != y:
+                assert y in a.logprobs[i] and x in b.logprobs[i], (i, a.token_ids, b.token_ids)
+                break
+    from safetensors import safe_open
+
+    with safe_open(str(quantized / "model.safetensors"), "pt") as f:
+        stored = sum(f.get_tensor(name).numel() * f.get_tensor(name).element_size()
+                     for name in f.keys()  # noqa: SIM118 - safe_open is not a dict
+                     if name.rsplit(".", 1)[0].endswith(LINEARS))
+    dense = sum(s.gemm.panels.numel() * 2 for m in model.modules() if isinstance(m, LinearBase)
+                for s in m.segments if s.gemm is not None)
+    held = sum(t.numel() * t.element_size() for w in weights
+               for t in (w.data, w.scales, w.mins) if t is not None)
+    if origin is not None:
+        assert held + dense <= 1.15 * stored, (held, dense, stored)
+
+
+GPTQ_CASES = [  # bits, group, symmetric, act order, gptq_v2
+    (4, 128, True, False, False), (4, 64, False, True, False), (8, 128, False, False, True),
+    (4, -1, True, False, True)]
+
+
+@pytest.mark.parametrize("case", GPTQ_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_gptq_checkpoint_matches_transformers(case, tmp_path, tokenizer_dir):
+    bits, group, symmetric, act_order, v2 = case
+    quantized, reference = write_checkpoint(tmp_path, tokenizer_dir, "gptq", bits, group,
+                                            symmetric, act_order, v2)
+    _check_end_to_end(quantized, _transformers_tokens(reference), "GPTQ")
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_awq_checkpoint_matches_transformers(group, tmp_path, tokenizer_dir):
+    """With group 32 the down projections stay in floats (modules_to_not_convert)."""
+    not_converted = ("mlp.down_proj",) if group == 32 else ()
+    quantized, reference = write_checkpoint(tmp_path, tokenizer_dir, "awq", 4, group, False,
+                                            False, not_converted=not_converted)
+    _check_end_to_end(quantized, _transformers_tokens(reference), "AWQ")
+    if not_converted:
+        from cpullm.model_executor.layers.linear import LinearBase
+
+        model, _ = _generate(str(quantized), "float32", max_tokens=1)
+        down = model.model.layers[0].mlp.down_proj
+        assert isinstance(down, LinearBase) and down.segments[0].quantized is None
+
+
+# ----- compressed-tensors, made by its own library -----
+
+CT_SCHEMES = {  # name -> (format, weights, input activations)
+    "w4a16-group": ("pack-quantized", dict(num_bits=4, type="int", symmetric=True,
+                                           strategy="group", group_size=64), None),
+    "w4a16-asym-channel": ("pack-quantized", dict(num_bits=4, type="int", symmetric=False,
+                                                  strategy="channel"), None),
+    "w8a16-group": ("pack-quantized", dict(num_bits=8, type="int", symmetric=True,
+                                           strategy="group", group_size=128), None),
+    "w8a8-int8": ("int-quantized", dict(num_bits=8, type="int", symmetric=True,
+                                        strategy="channel"),
+                  dict(num_bits=8, type="int", symmetric=True, strategy="token",
+                       dynamic=True)),
+    "fp8-channel": ("float-quantized", dict(num_bits=8, type="float", symmetric=True,
+                                            strategy="channel"), None),
+}
+
+
+def write_compressed_tensors(root: Path, tokenizer_dir: Path, name: str) -> Path:
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoTokenizer
+
+    fmt, weights, activations = CT_SCHEMES[name]
+    model = _tiny_llama(tokenizer_dir)
+    scheme = QuantizationScheme(
+        targets=["Linear"], weights=QuantizationArgs(**weights),
+        input_activations=None if activations is None else QuantizationArgs(**activations))
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme},
+                                                        ignore=["lm_head"]))
+    for module in model.modules():
+        if not hasattr(module, "weight_scale"):
+            continue
+        w = module.weight.data
+        n, k = w.shape
+        args = module.quantization_scheme.weights
+        size = args.group_size if args.strategy == "group" else k
+        g = w.reshape(n, k // size, size)
+        scale, zero = calculate_qparams(g.amin(-1), g.amax(-1), args)
+        module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+        if hasattr(module, "weight_zero_point"):
+            module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    path = root / name
+    model.save_pretrained(path)
+    compressor.update_config(str(path))
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("name", list(CT_SCHEMES))
+def test_compressed_tensors_checkpoint_matches_transformers(name, tmp_path, tokenizer_dir):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    path = write_compressed_tensors(tmp_path, tokenizer_dir, name)
+    # transformers, with compressed-tensors dequantizing the folder's weights
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32,
+        quantization_config=CompressedTensorsConfig(run_compressed=False))
+    _check_end_to_end(path, _transformers_tokens(reference),
+                      None if name.startswith("fp8") else "compressed-tensors")
+
+
+def _with_quantization_config(folder: Path, qconfig: dict) -> Path:
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = qconfig
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("qconfig, message", [
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "GPTQ with 3-bit weights"),
+    ({"quant_method": "gptq", "bits": 4, "lm_head": True}, "quantized lm_head"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ version 'gemv'"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"},
+     "format 'nvfp4-pack-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "g": {"weights": {"num_bits": 2, "type": "int", "strategy": "group"}}}},
+     "weights of g"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized",
+      "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
+    ({"quant_method": "bitsandbytes"}, "format 'bitsandbytes' is not supported"),
+])
+def test_unsupported_schemes_are_refused_by_name(qconfig, message, tiny_model, tmp_path):
+    import shutil
+
+    from cpullm import LLM
+
+    folder = Path(shutil.copytree(tiny_model("llama"), tmp_path / "model"))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        LLM(model=str(_with_quantization_config(folder, qconfig)))
+
+
+def test_quantization_flag_must_match_the_checkpoint(tiny_model):
+    from cpullm import LLM
+
+    with pytest.raises(ValueError, match="does not match the checkpoint, which is dense"):
+        LLM(model=str(tiny_model("llama")), quantization="awq")
+    with pytest.raises(ValueError, match="'int3' is not supported"):
+        LLM(model=str(tiny_model("llama")), quantization="int3")
