@@ -77,3 +77,27 @@ def assert_pool_free(llm: Any) -> None:
     pool = engine.scheduler.kv_cache_manager.pool
     assert pool.num_free == pool.num_blocks
     assert all(count == 0 for count in pool.ref_counts)
+
+
+def quantized_kernels() -> tuple[Any, list[str]]:
+    """The kernel table, and the quantized kernels this machine's build has ("int8" on
+    AVX-512 VNNI, "panels" with BF16 too)."""
+    from cpullm.model_executor.layers.ops import load_ops
+
+    ops = load_ops()
+    found = []
+    if ops is not None and ops.quant_gemm is not None:
+        found.append("int8")
+    if ops is not None and ops.quant_gemm_bf16 is not None:
+        found.append("panels")
+    return ops, found
+
+
+def assert_greedy_follows(exact: list[Any], other: list[Any]) -> None:
+    """Greedy completions (with logprobs) of two runs agree up to their first difference,
+    where each side's token is in the other's top logprobs."""
+    for a, b in zip(exact, other, strict=True):
+        for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)):
+            if x != y:
+                assert y in a.logprobs[i] and x in b.logprobs[i], (i, a.token_ids, b.token_ids)
+                break

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import assert_greedy_follows, quantized_kernels
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
-from cpullm.model_executor.layers.ops import load_ops
 from cpullm.model_executor.layers.quantization.gguf import RawBlocks
 from cpullm.model_executor.layers.quantization.gguf_blocks import (
     KEPT_TYPES,
@@ -71,23 +71,12 @@ def test_pack_unpack_round_trip(bits, block):
         assert np.array_equal(unpack(packed, bits, block, blocks * block), u)
 
 
-def _kernels():
-    """The kernel table, and the quantized kernels this machine's build has."""
-    ops = load_ops()
-    found = []
-    if ops is not None and ops.quant_gemm is not None:
-        found.append("int8")
-    if ops is not None and ops.quant_gemm_bf16 is not None:
-        found.append("panels")
-    return ops, found
-
-
 @pytest.mark.parametrize("rows", [1, 2, 5, 17, 600])
 @pytest.mark.parametrize("qtype", KEPT_TYPES, ids=lambda t: t.name)
 def test_kernels_match_dequantized_reference(qtype, rows):
     """Every kernel this machine can run, forced, against x @ W.T in float32 on the
     dequantized weights (x in bfloat16, as the kernels get it)."""
-    ops, kernels = _kernels()
+    ops, kernels = quantized_kernels()
     rng = np.random.default_rng(2)
     n, k = 96, width(qtype)
     weight = RawBlocks(qtype, random_blocks(qtype, n, k, rng), (n, k)).to_weight()
@@ -107,7 +96,7 @@ def test_kernels_match_dequantized_reference(qtype, rows):
 
 def test_kernel_writes_into_a_column_slice():
     """A merged layer's segments write their columns of one output."""
-    ops, kernels = _kernels()
+    ops, kernels = quantized_kernels()
     if not kernels:
         pytest.skip("no quantized kernels on this CPU")
     rng = np.random.default_rng(4)
@@ -220,7 +209,7 @@ def test_mixed_types_load_and_match_transformers(mixed_gguf):
                                       max_new_tokens=16)
         assert output.token_ids == expected[0, len(prompt):].tolist()
 
-    ops, kernels = _kernels()
+    ops, kernels = quantized_kernels()
     if not QuantizedWeight.kernels_run(ops, torch.bfloat16):
         return  # bfloat16 runs dequantized too on this CPU
     model, quantized = run("bfloat16")
@@ -231,11 +220,7 @@ def test_mixed_types_load_and_match_transformers(mixed_gguf):
     assert all(s.dense is None for m in model.modules() if isinstance(m, LinearBase)
                for s in m.segments)
     assert model.model.embed_tokens.quantized.qtype == "Q8_0"
-    for a, b in zip(exact, quantized, strict=True):
-        for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)):
-            if x != y:
-                assert y in a.logprobs[i] and x in b.logprobs[i], (i, a.token_ids, b.token_ids)
-                break
+    assert_greedy_follows(exact, quantized)
 
 
 def test_unsupported_type_is_refused_by_name(tmp_path):
