@@ -29,6 +29,17 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "mistral": dict(cls="MistralConfig", sliding_window=None),
     "qwen2": dict(cls="Qwen2Config"),
     "qwen3": dict(cls="Qwen3Config", head_dim=16),
+    "granite": dict(cls="GraniteConfig", embedding_multiplier=3.0, attention_multiplier=0.05,
+                    residual_multiplier=0.6, logits_scaling=2.5),
+    # LongRoPE (short factors: the sequences stay within its pretraining length, as the
+    # golden tests compare with transformers, which recomputes a sequence that outgrows it
+    # with the long factors throughout), partial rotary,
+    # and a window shorter than the longer prompts
+    "phi3": dict(cls="Phi3Config", sliding_window=48, original_max_position_embeddings=256,
+                 rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
+        short_factor=[1.0, 1.2, 1.5, 2.0], long_factor=[1.5, 2.5, 4.0, 8.0],
+        original_max_position_embeddings=256)),
 }
 
 

@@ -90,7 +90,7 @@ def test_prefix_cache_hits_give_same_tokens(tiny_model):
     assert_pool_free(llm)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
 def test_kernels_equal_enforce_eager(tiny_model, arch):
     model_dir = str(tiny_model(arch))
     prompts = make_prompts(2048)
@@ -137,3 +137,47 @@ def test_unsupported_architecture_is_named(tmp_path, tokenizer_dir):
         shutil.copy(tokenizer_dir / name, tmp_path / name)
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*not supported"):
         LLM(str(tmp_path), dtype="float32", block_size=32, max_model_len=64)
+
+
+def test_granite_logits_are_scaled_as_transformers_scales_them(tiny_model):
+    """Greedy tokens do not see logits_scaling; logprobs do."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = str(tiny_model("granite"))
+    prompt = make_prompts(2048)[2]
+    llm = LLM(model_dir, dtype="float32", block_size=32)
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    for i, entry in enumerate(out.prompt_logprobs[1:]):
+        token = prompt[i + 1]
+        assert abs(entry[token].logprob - float(logits[i, token])) < 1e-3
+
+
+def test_longrope_positions_past_the_pretraining_length_take_the_long_factors(tiny_model):
+    """Per position, as transformers' rotary embedding computes them: short factors below
+    original_max_position_embeddings, long ones from there on."""
+    from transformers import AutoConfig
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from cpullm.model_executor.layers.rotary import RotaryEmbedding
+
+    config = AutoConfig.from_pretrained(tiny_model("phi3"))
+    head_dim = config.hidden_size // config.num_attention_heads
+    ours = RotaryEmbedding(config, head_dim, 1024)
+    assert ours.rotary_dim == head_dim // 2
+    for position in (0, 100, 255, 256, 300, 1023):
+        theirs = Phi3RotaryEmbedding(config)
+        cos, sin = theirs(torch.zeros(1, dtype=torch.float32), torch.tensor([[position]]))
+        assert torch.allclose(ours.cos[position], cos[0, 0], atol=1e-6), position
+        assert torch.allclose(ours.sin[position], sin[0, 0], atol=1e-6), position
+    # and the long factors are not the short ones: position 300 from the short factors
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    short, scaling = ROPE_INIT_FUNCTIONS["longrope"](config, torch.device("cpu"))
+    short_cos = torch.cat([300.0 * short] * 2).cos() * scaling
+    assert torch.allclose(ours.cos[100], torch.cat([100.0 * short] * 2).cos() * scaling,
+                          atol=1e-6)
+    assert not torch.allclose(ours.cos[300], short_cos, atol=1e-3)

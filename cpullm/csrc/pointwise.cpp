@@ -8,16 +8,18 @@ namespace cpullm {
 
 namespace {
 
-// In place, rotate-half layout: x = x * cos + rotate_half(x) * sin, per head.
-// cos/sin: [max_position, head_dim] float32; x: [num_tokens, num_heads, head_dim].
+// In place, rotate-half layout: x = x * cos + rotate_half(x) * sin, per head, over the
+// first rotary_dim values of each head (the rest pass through). cos/sin: [max_position,
+// rotary_dim] float32; x: [num_tokens, num_heads, head_dim].
 template <typename T>
 void rotary_one(T* x, int64_t token_stride, const int64_t* positions, const float* cos,
-                const float* sin, int64_t tokens, int64_t heads, int64_t head_dim) {
-  const int64_t half = head_dim / 2;
+                const float* sin, int64_t tokens, int64_t heads, int64_t head_dim,
+                int64_t rotary_dim) {
+  const int64_t half = rotary_dim / 2;
   at::parallel_for(0, tokens, grain_for(heads * head_dim), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* c = cos + positions[t] * head_dim;
-      const float* s = sin + positions[t] * head_dim;
+      const float* c = cos + positions[t] * rotary_dim;
+      const float* s = sin + positions[t] * rotary_dim;
       for (int64_t h = 0; h < heads; ++h) {
         T* v = x + t * token_stride + h * head_dim;
         for (int64_t i = 0; i < half; ++i) {
@@ -45,13 +47,16 @@ void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tens
                 "rotary_embedding: heads must be contiguous within a token");
   TORCH_CHECK(positions.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
               "rotary_embedding: contiguous tables expected");
+  const int64_t rotary_dim = cos.size(1);
+  TORCH_CHECK(rotary_dim % 2 == 0 && rotary_dim <= q.size(2) && sin.sizes() == cos.sizes(),
+              "rotary_embedding: tables of an even width up to the head size expected");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary", [&] {
     rotary_one<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), positions.data_ptr<int64_t>(),
                          cos.data_ptr<float>(), sin.data_ptr<float>(), q.size(0), q.size(1),
-                         q.size(2));
+                         q.size(2), rotary_dim);
     rotary_one<scalar_t>(k.data_ptr<scalar_t>(), k.stride(0), positions.data_ptr<int64_t>(),
                          cos.data_ptr<float>(), sin.data_ptr<float>(), k.size(0), k.size(1),
-                         k.size(2));
+                         k.size(2), rotary_dim);
   });
 }
 

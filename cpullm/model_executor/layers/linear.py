@@ -66,7 +66,8 @@ class ReplicatedLinear(LinearBase):
 
 class MergedColumnLinear(LinearBase):
     """Several linear layers with the same input, stacked along the output
-    (gate_proj and up_proj -> gate_up_proj). Shard ids are the positions 0, 1, ..."""
+    (gate_proj and up_proj -> gate_up_proj). Shard ids are the positions 0, 1, ...; None:
+    all of them at once."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  dtype: torch.dtype | None = None,
@@ -76,6 +77,8 @@ class MergedColumnLinear(LinearBase):
         super().__init__(input_size, sum(output_sizes), bias, dtype, quant_config)
 
     def shard_range(self, shard_id: str | int | None) -> tuple[int, int]:
+        if shard_id is None:  # a checkpoint that stores the layer fused (Phi-3)
+            return 0, self.output_size
         assert isinstance(shard_id, int)
         start = sum(self.output_sizes[:shard_id])
         return start, start + self.output_sizes[shard_id]
@@ -95,7 +98,8 @@ class GateUpSiluLinear(MergedColumnLinear):
 
 
 class QKVLinear(LinearBase):
-    """q_proj, k_proj and v_proj as one layer; shard ids are "q", "k", "v"."""
+    """q_proj, k_proj and v_proj as one layer; shard ids are "q", "k", "v"; None: all three
+    at once."""
 
     shard_ids = ("q", "k", "v")
 
@@ -107,5 +111,7 @@ class QKVLinear(LinearBase):
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, dtype, quant_config)
 
     def shard_range(self, shard_id: str | int | None) -> tuple[int, int]:
+        if shard_id is None:  # a checkpoint that stores the layer fused (Phi-3)
+            return 0, self.output_size
         start = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[str(shard_id)]
         return start, start + (self.q_size if shard_id == "q" else self.kv_size)

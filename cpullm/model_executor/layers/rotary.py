@@ -1,4 +1,5 @@
-"""Rotary position embedding (rotate-half layout, as Hugging Face Llama/Qwen)."""
+"""Rotary position embedding (rotate-half layout, as Hugging Face Llama/Qwen), over the
+whole head or its first ``partial_rotary_factor`` share (Phi-4-mini, GLM)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from torch import nn
 
 from cpullm.model_executor.layers.ops import KernelTable
 
-_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def _rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -34,20 +35,39 @@ class RotaryEmbedding(nn.Module):
         if rope_type not in _STATIC_ROPE_TYPES:
             raise ValueError(f"rope type {rope_type!r} is not supported "
                              f"(supported: {', '.join(_STATIC_ROPE_TYPES)})")
+        partial = params.get("partial_rotary_factor",
+                             getattr(hf_config, "partial_rotary_factor", None) or 1.0)
+        self.rotary_dim = int(head_dim * partial)  # the first rotary_dim of each head turn
+        positions = torch.arange(max_position, dtype=torch.float)
         if rope_type == "default":
-            base = params["rope_theta"]
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-            scaling = 1.0
+            base, dim = params["rope_theta"], self.rotary_dim
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            cos, sin = self._tables(positions, inv_freq, 1.0)
         else:
-            # transformers owns the scaling formulas (llama3, yarn, linear).
+            # transformers owns the scaling formulas (llama3, yarn, linear, longrope).
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
-        positions = torch.arange(max_position, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+            init = ROPE_INIT_FUNCTIONS[rope_type]
+            cos, sin = self._tables(positions, *init(hf_config, torch.device("cpu")))
+            if rope_type == "longrope":
+                # LongRoPE: its short factors up to the pretraining length, its long ones
+                # beyond, per position. (transformers recomputes a sequence that outgrows the
+                # pretraining length with the long factors throughout; here the positions
+                # already computed keep theirs: docs/architecture.md.)
+                edge = min(max_position, params["original_max_position_embeddings"])
+                long_cos, long_sin = self._tables(positions, *init(
+                    hf_config, torch.device("cpu"), seq_len=edge + 1))
+                cos[edge:], sin[edge:] = long_cos[edge:], long_sin[edge:]
+        assert cos.shape[1] == self.rotary_dim
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    @staticmethod
+    def _tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_position, rotary_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, rotary_dim]
+        return emb.cos() * scaling, emb.sin() * scaling
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,9 +76,14 @@ class RotaryEmbedding(nn.Module):
         if self.ops is not None:
             self.ops.rotary_embedding(positions, q, k, self.cos, self.sin)
             return q, k
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [num_tokens, 1, rotary_dim]
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        dim = self.rotary_dim
+        if dim == q.shape[-1]:
+            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q, k = (torch.cat((x[..., :dim] * cos + _rotate_half(x[..., :dim]) * sin, x[..., dim:]),
+                          dim=-1) for x in (q, k))
+        return q, k
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -5,15 +5,19 @@ from __future__ import annotations
 from torch import nn
 
 from cpullm.model_executor.models.llama import (
+    GraniteForCausalLM,
     LlamaForCausalLM,
     MistralForCausalLM,
+    Phi3ForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }

@@ -1,8 +1,12 @@
-"""The Llama family: Llama (SmolLM2, Llama 3.x), Mistral, Qwen2 and Qwen3.
+"""The Llama family: Llama (SmolLM2, Llama 3.x), Mistral, Qwen2, Qwen3, Granite and Phi-3.
 
 They differ in three switches: bias on the QKV projection (Qwen2), an RMSNorm on each
-query and key head (Qwen3), and bias on the output projection. Parameter names mirror
-Hugging Face's, except that q/k/v and gate/up are merged (see ``stacked_params``).
+query and key head (Qwen3), and bias on the output projection; and Granite's four
+multipliers, read from its config (``embedding_multiplier`` on the embeddings,
+``attention_multiplier`` as the attention scale, ``residual_multiplier`` on each block's
+output before it joins the residual, ``logits_scaling`` dividing the logits), which other
+configs lack. Parameter names mirror Hugging Face's, except that q/k/v and gate/up are
+merged (see ``stacked_params``; Phi-3's checkpoints store them merged already).
 """
 
 from __future__ import annotations
@@ -44,8 +48,9 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, ops)
         self.qk_norm = qk_norm
         self.rotary = rotary
+        scale = getattr(config, "attention_multiplier", None) or self.head_dim ** -0.5
         self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_kv_heads,
-                                   scale=self.head_dim ** -0.5, ops=ops)
+                                   scale=scale, ops=ops)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -86,6 +91,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
                                                 ops)
+        self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, kv_cache: torch.Tensor,
@@ -94,9 +100,13 @@ class LlamaDecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden = self.scale_output(self.self_attn(positions, hidden, kv_cache, meta))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.scale_output(self.mlp(hidden)), residual
+
+    def scale_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A block's output as it joins the residual stream (Granite scales it)."""
+        return hidden if self.residual_multiplier == 1.0 else hidden * self.residual_multiplier
 
 
 class LlamaModel(nn.Module):
@@ -113,10 +123,13 @@ class LlamaModel(nn.Module):
                                                       quant_config)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
+        self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        if self.embedding_multiplier != 1.0:
+            hidden = hidden * self.embedding_multiplier
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
@@ -149,13 +162,15 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
+        self.logits_scaling = float(getattr(config, "logits_scaling", 1.0))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+        logits = self.lm_head.compute_logits(hidden)
+        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         skip = {"lm_head.weight"} if self.tie_word_embeddings else set()
@@ -177,3 +192,15 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     def layer_flags(config: Any) -> dict[str, bool]:
         bias = bool(getattr(config, "attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True}
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """Llama with Granite's multipliers (see the module docstring)."""
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3, Phi-3.5 and Phi-4: Llama whose checkpoints store q/k/v and gate/up fused
+    (``qkv_proj``, ``gate_up_proj``, gate first), loaded whole into the merged layers.
+    Their LongRoPE and partial rotary are the rotary embedding's."""
+
+    stacked_params: dict[str, tuple[str, str | int]] = {}

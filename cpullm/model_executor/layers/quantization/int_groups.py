@@ -196,7 +196,7 @@ class GroupedLinearMethod(KeptLinearMethod):
 
     def process_weights_after_loading(self, layer: LinearBase, ops: KernelTable | None) -> None:
         kept = QuantizedWeight.kernels_run(ops, layer.compute_dtype)
-        expected = set(layer.shard_ids)
+        expected = {None} if None in layer.pending else set(layer.shard_ids)
         if set(layer.pending) != expected:
             missing = sorted(map(str, expected - set(layer.pending)))
             raise ValueError(f"the checkpoint lacks the weights of shards {missing}")
