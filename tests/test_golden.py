@@ -90,7 +90,7 @@ def test_prefix_cache_hits_give_same_tokens(tiny_model):
     assert_pool_free(llm)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma3"])
 def test_kernels_equal_enforce_eager(tiny_model, arch):
     model_dir = str(tiny_model(arch))
     prompts = make_prompts(2048)
@@ -139,12 +139,14 @@ def test_unsupported_architecture_is_named(tmp_path, tokenizer_dir):
         LLM(str(tmp_path), dtype="float32", block_size=32, max_model_len=64)
 
 
-def test_granite_logits_are_scaled_as_transformers_scales_them(tiny_model):
-    """Greedy tokens do not see logits_scaling; logprobs do."""
+@pytest.mark.parametrize("arch", ["granite", "gemma3", "phi3"])
+def test_prompt_logprobs_match_transformers(tiny_model, arch):
+    """What greedy tokens may not show: Granite's logits scaling, Gemma 3's soft-cap and the
+    windows of its sliding layers and Phi-3's (the prompt is longer than both)."""
     from transformers import AutoModelForCausalLM
 
-    model_dir = str(tiny_model("granite"))
-    prompt = make_prompts(2048)[2]
+    model_dir = str(tiny_model(arch))
+    prompt = make_prompts(2048)[3]  # 71 tokens
     llm = LLM(model_dir, dtype="float32", block_size=32)
     out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1),
                        use_tqdm=False)[0]
@@ -153,7 +155,7 @@ def test_granite_logits_are_scaled_as_transformers_scales_them(tiny_model):
         logits = reference(torch.tensor([prompt])).logits[0].log_softmax(-1)
     for i, entry in enumerate(out.prompt_logprobs[1:]):
         token = prompt[i + 1]
-        assert abs(entry[token].logprob - float(logits[i, token])) < 1e-3
+        assert abs(entry[token].logprob - float(logits[i, token])) < 1e-3, i
 
 
 def test_longrope_positions_past_the_pretraining_length_take_the_long_factors(tiny_model):

@@ -20,7 +20,7 @@ requests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -50,39 +50,42 @@ class AttentionMetadata:
     prefill_fresh: bool  # every chunk starts its request: nothing earlier is cached
     block_size: int
     # The boolean masks of the plain torch paths, built on first use (the compiled kernels
-    # take lengths instead) and then shared by all layers.
-    _decode_mask: torch.Tensor | None = None
-    _prefill_mask: torch.Tensor | None = None
+    # take lengths instead) and then shared by all layers with that window.
+    _decode_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    _prefill_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def decode_mask(self) -> torch.Tensor:
+    def decode_mask(self, window: int) -> torch.Tensor:
         """[num_decodes, 1, 1, max_blocks * block_size]: the key positions each decode
-        token sees."""
-        if self._decode_mask is None:
+        token sees (``window``: the last so many, or all with 0)."""
+        if window not in self._decode_masks:
             key_pos = torch.arange(self.decode_block_tables.shape[1] * self.block_size)[None]
             lens = self.decode_seq_lens[:, None]
             mask = key_pos < lens
-            if self.sliding_window:
-                mask &= key_pos >= lens - self.sliding_window
-            self._decode_mask = mask[:, None, None, :]
-        return self._decode_mask
+            if window:
+                mask &= key_pos >= lens - window
+            self._decode_masks[window] = mask[:, None, None, :]
+        return self._decode_masks[window]
 
-    def prefill_mask(self) -> torch.Tensor:
+    def prefill_mask(self, window: int) -> torch.Tensor:
         """[num_prefills, 1, max_q, max_blocks * block_size]: causal, within the window."""
-        if self._prefill_mask is None:
+        if window not in self._prefill_masks:
             key_pos = torch.arange(self.prefill_block_tables.shape[1] * self.block_size)
             query_pos = (self.prefill_starts[:, None]
                          + torch.arange(self.prefill_max_query_len)[None, :])[:, :, None]
             mask = key_pos <= query_pos
-            if self.sliding_window:
-                mask &= key_pos > query_pos - self.sliding_window
-            self._prefill_mask = mask[:, None]
-        return self._prefill_mask
+            if window:
+                mask &= key_pos > query_pos - window
+            self._prefill_masks[window] = mask[:, None]
+        return self._prefill_masks[window]
 
 
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 ops: KernelTable | None = None) -> None:
+                 ops: KernelTable | None = None, window: int | None = None) -> None:
+        """``window``: this layer's sliding window (0: none), for models whose layers differ
+        (Gemma 3); None: the model's, from the step's metadata."""
         super().__init__()
+        self.window = window
         self.ops = ops  # compiled kernels, or None for plain torch ops
         self.prefill_softmax = ops.prefill_softmax_bf16 if ops is not None else None
         self.num_heads = num_heads
@@ -95,6 +98,7 @@ class PagedAttention(nn.Module):
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
         key_cache, value_cache = kv_cache[0], kv_cache[1]
+        window = meta.sliding_window if self.window is None else self.window
         flat_shape = (-1, self.num_kv_heads, self.head_dim)
         key_cache.view(flat_shape).index_copy_(0, meta.slot_mapping, k)
         value_cache.view(flat_shape).index_copy_(0, meta.slot_mapping, v)
@@ -105,9 +109,9 @@ class PagedAttention(nn.Module):
             # Reads each sequence's blocks in place: no gather, no padding.
             self.ops.decode_attention(out[:nd], q[:nd], key_cache, value_cache,
                                       meta.decode_block_tables, meta.decode_seq_lens,
-                                      self.scale, meta.sliding_window)
+                                      self.scale, window)
         elif nd:
-            out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta)
+            out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta, window)
         if nd < q.shape[0]:
             num_prefills = meta.prefill_block_tables.shape[0]
             max_q = meta.prefill_max_query_len
@@ -123,13 +127,13 @@ class PagedAttention(nn.Module):
                     and num_prefills * self.num_heads * max_q * max_len <= _MAX_SCORES):
                 # Whole fresh prompts of one length: their keys and values are this step's.
                 fresh = (k[nd:], v[nd:]) if dense and meta.prefill_fresh else None
-                result = self._attend_bf16(padded, key_cache, value_cache, meta, fresh)
+                result = self._attend_bf16(padded, key_cache, value_cache, meta, fresh, window)
             else:
                 # [num_prefills, num_heads, max_q, head_dim]
                 query = padded.view(num_prefills, max_q, self.num_heads,
                                     self.head_dim).transpose(1, 2)
                 result = self._attend(query, key_cache, value_cache, meta.prefill_block_tables,
-                                      meta.prefill_mask()).transpose(1, 2)
+                                      meta.prefill_mask(window)).transpose(1, 2)
             if dense:  # one copy, straight from the permuted view
                 out[nd:].view(result.shape).copy_(result)
             else:
@@ -139,7 +143,8 @@ class PagedAttention(nn.Module):
 
     def _attend_bf16(self, padded: torch.Tensor, key_cache: torch.Tensor,
                      value_cache: torch.Tensor, meta: AttentionMetadata,
-                     fresh: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                     fresh: tuple[torch.Tensor, torch.Tensor] | None, window: int
+                     ) -> torch.Tensor:
         """padded: [num_prefills * max_q, num_heads, head_dim] queries ->
         [num_prefills, max_q, num_heads, head_dim]. The query heads that share a KV head
         are stacked into one matrix, so each (request, KV head) is one matmul. ``fresh``:
@@ -163,12 +168,12 @@ class PagedAttention(nn.Module):
         query = padded.view(num_prefills, max_q, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
         scores = torch.bmm(query.reshape(batch, group * max_q, dim), keys_t)
         self.prefill_softmax(scores, meta.prefill_starts, meta.prefill_query_lens, kv_heads,
-                             max_q, self.scale, meta.sliding_window)
+                             max_q, self.scale, window)
         out = torch.bmm(scores, values)  # [batch, group * max_q, dim]
         return out.view(num_prefills, kv_heads, group, max_q, dim).permute(0, 3, 1, 2, 4)
 
     def _decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, window: int) -> torch.Tensor:
         """One query per request: two batched matmuls per KV head group. For a single query
         row this is several times faster than the flash kernel of SDPA on CPU."""
         num_seqs = q.shape[0]
@@ -180,7 +185,8 @@ class PagedAttention(nn.Module):
                                                             self.head_dim)
         query = q.view(num_seqs, self.num_kv_heads, group, self.head_dim)
         scores = torch.einsum("skgd,stkd->skgt", query, keys)  # [seqs, kv_heads, group, len]
-        scores = (scores.float() * self.scale).masked_fill_(~meta.decode_mask(), float("-inf"))
+        scores = (scores.float() * self.scale).masked_fill_(~meta.decode_mask(window),
+                                                             float("-inf"))
         probs = scores.softmax(dim=-1).to(q.dtype)
         out = torch.einsum("skgt,stkd->skgd", probs, values)
         return out.reshape(num_seqs, self.num_heads, self.head_dim)

@@ -13,8 +13,10 @@ from cpullm.model_executor.layers.ops import KernelTable
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
-def _rope_parameters(hf_config: Any) -> dict[str, Any]:
+def _rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
     params = getattr(hf_config, "rope_parameters", None)
+    if layer_type is not None:  # one set per layer type (Gemma 3)
+        params = params[layer_type]
     if params is None:  # older configs: rope_theta + rope_scaling
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
@@ -27,10 +29,12 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to max_position, computed once."""
 
     def __init__(self, hf_config: Any, head_dim: int, max_position: int,
-                 ops: KernelTable | None = None) -> None:
+                 ops: KernelTable | None = None, layer_type: str | None = None) -> None:
+        """``layer_type``: for configs with rope parameters per layer type (Gemma 3's
+        "sliding_attention" and "full_attention"), the one these tables are for."""
         super().__init__()
         self.ops = ops
-        params = _rope_parameters(hf_config)
+        params = _rope_parameters(hf_config, layer_type)
         rope_type = params["rope_type"]
         if rope_type not in _STATIC_ROPE_TYPES:
             raise ValueError(f"rope type {rope_type!r} is not supported "
@@ -47,7 +51,13 @@ class RotaryEmbedding(nn.Module):
             # transformers owns the scaling formulas (llama3, yarn, linear, longrope).
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            init = ROPE_INIT_FUNCTIONS[rope_type]
+            rope_init = ROPE_INIT_FUNCTIONS[rope_type]
+
+            def init(config: Any, device: torch.device, **kwargs: Any) -> tuple:
+                if layer_type is not None:
+                    kwargs["layer_type"] = layer_type
+                return rope_init(config, device, **kwargs)
+
             cos, sin = self._tables(positions, *init(hf_config, torch.device("cpu")))
             if rope_type == "longrope":
                 # LongRoPE: its short factors up to the pretraining length, its long ones

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from cpullm.model_executor.models.gemma import Gemma3ForCausalLM, GemmaForCausalLM
 from cpullm.model_executor.models.llama import (
     GraniteForCausalLM,
     LlamaForCausalLM,
@@ -14,6 +15,8 @@ from cpullm.model_executor.models.llama import (
 )
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,

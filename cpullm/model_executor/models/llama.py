@@ -30,7 +30,11 @@ from cpullm.model_executor.loader.weights import load_named_weights
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
                  qk_norm: bool, dtype: torch.dtype, ops: KernelTable | None,
-                 quant_config: QuantizationConfig | None) -> None:
+                 quant_config: QuantizationConfig | None, scale: float | None = None,
+                 window: int | None = None, norm: type[RMSNorm] = RMSNorm) -> None:
+        """``scale``: of the attention scores (default: Granite's multiplier, else 1 / sqrt
+        of the head size); ``window``: this layer's own sliding window (0: none; default:
+        the model's); ``norm``: the q/k norm's class."""
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -44,13 +48,14 @@ class LlamaAttention(nn.Module):
         self.o_proj = ReplicatedLinear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype,
                                        quant_config=quant_config)
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, ops)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, ops)
+            self.q_norm = norm(self.head_dim, config.rms_norm_eps, dtype, ops)
+            self.k_norm = norm(self.head_dim, config.rms_norm_eps, dtype, ops)
         self.qk_norm = qk_norm
         self.rotary = rotary
-        scale = getattr(config, "attention_multiplier", None) or self.head_dim ** -0.5
+        if scale is None:
+            scale = getattr(config, "attention_multiplier", None) or self.head_dim ** -0.5
         self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_kv_heads,
-                                   scale=scale, ops=ops)
+                                   scale=scale, ops=ops, window=window)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
