@@ -28,7 +28,7 @@ from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import QuantizationConfig
 from cpullm.model_executor.layers.rotary import RotaryEmbedding
 from cpullm.model_executor.loader.weights import load_named_weights
-from cpullm.model_executor.models.llama import LlamaAttention
+from cpullm.model_executor.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -134,10 +134,7 @@ class GemmaModel(nn.Module):
 
 
 class GemmaForCausalLM(nn.Module):
-    stacked_params = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
+    stacked_params = LlamaForCausalLM.stacked_params
     gemma3 = False
 
     def __init__(self, config: Any, max_position: int, dtype: torch.dtype,
