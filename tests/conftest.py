@@ -41,6 +41,11 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         short_factor=[1.0, 1.2, 1.5, 2.0], long_factor=[1.5, 2.5, 4.0, 8.0],
         original_max_position_embeddings=256)),
     "gemma": dict(cls="GemmaConfig", head_dim=16),
+    # layer 0 sliding (window 24), 1 full; attention and final logit soft-caps tight enough
+    # to bite
+    "gemma2": dict(cls="Gemma2Config", head_dim=16, sliding_window=24, query_pre_attn_scalar=24,
+                   attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+                   layer_types=["sliding_attention", "full_attention"]),
     # layer 0 sliding (window 24, shorter than the prompts), 1 full; a rope base per kind,
     # linear rope scaling on the full layer, and the final logit soft-cap
     "gemma3": dict(cls="Gemma3TextConfig", head_dim=16, sliding_window=24,

@@ -90,7 +90,7 @@ def test_prefix_cache_hits_give_same_tokens(tiny_model):
     assert_pool_free(llm)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_kernels_equal_enforce_eager(tiny_model, arch):
     model_dir = str(tiny_model(arch))
     prompts = make_prompts(2048)
@@ -139,9 +139,9 @@ def test_unsupported_architecture_is_named(tmp_path, tokenizer_dir):
         LLM(str(tmp_path), dtype="float32", block_size=32, max_model_len=64)
 
 
-@pytest.mark.parametrize("arch", ["granite", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["granite", "gemma2", "gemma3", "phi3"])
 def test_prompt_logprobs_match_transformers(tiny_model, arch):
-    """What greedy tokens may not show: Granite's logits scaling, Gemma 3's soft-cap and the
+    """What greedy tokens may not show: Granite's logits scaling, the Gemmas' soft-caps and the
     windows of its sliding layers and Phi-3's (the prompt is longer than both)."""
     from transformers import AutoModelForCausalLM
 

@@ -3,6 +3,7 @@
 #include "ops.h"
 #include "vec.h"
 
+#include <cmath>
 #include <vector>
 
 namespace cpullm {
@@ -84,13 +85,19 @@ inline void weighted_values(float* acc, const float* probs, const T* vp, const i
   }
 }
 
+// Attention logit soft-capping (Gemma 2): each score s becomes cap * tanh(s / cap).
+inline void soft_cap(float* scores, int64_t n, float cap) {
+  for (int64_t i = 0; i < n; ++i) scores[i] = cap * std::tanh(scores[i] / cap);
+}
+
 // out[s, h, :] = softmax(q[s, h, :] . K[s, :, kvh, :]^T * scale) @ V[s, :, kvh, :]
 // where K/V of sequence s are read in place from its blocks:
 //   token t lives at key_cache[block_tables[s, t / block_size], t % block_size, kvh, :]
 template <typename T>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, double scale, int64_t window) {
+                           const at::Tensor& seq_lens, double scale, int64_t window,
+                           double softcap) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
@@ -122,6 +129,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       group_scores(scores.data(), query.data(), fscale, kp + kvh * head_dim, bt + s * max_blocks,
                    first, len, group, head_dim, block_size, block_stride, token_stride,
                    key.data());
+      if (softcap > 0) soft_cap(scores.data(), group * n, static_cast<float>(softcap));
       for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * n, n);
       weighted_values(acc.data(), scores.data(), vp + kvh * head_dim, bt + s * max_blocks,
                       first, len, group, head_dim, block_size, block_stride, token_stride,
@@ -236,7 +244,8 @@ using PagedValuesFn = void (*)(float*, int64_t, const float*, const c10::BFloat1
 // per KV head; returns false (nothing written) for other shapes.
 bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, double scale, int64_t window) {
+                           const at::Tensor& seq_lens, double scale, int64_t window,
+                           double softcap) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, chunks = head_dim / 32;
@@ -291,6 +300,7 @@ bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tenso
                 bt + s * max_blocks, first, len, block_size, block_stride, token_stride,
                 next_item);
       next_item.step(next_item.len);  // what the scores did not reach (a longer next item)
+      if (softcap > 0) soft_cap(scores.data(), group * n, static_cast<float>(softcap));
       for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * n, n);
       values_fn(acc.data(), head_dim, scores.data(), vp + kvh * head_dim, bt + s * max_blocks,
                 first, len, block_size, block_stride, token_stride);
@@ -307,19 +317,20 @@ bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tenso
 
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
                       at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                      int64_t window) {
+                      int64_t window, double softcap) {
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "decode_attention: bad q layout");
   TORCH_CHECK(out.is_contiguous() && key_cache.is_contiguous() &&
               value_cache.is_contiguous() && block_tables.is_contiguous() &&
               seq_lens.is_contiguous(), "decode_attention: contiguous tensors expected");
 #if defined(__AVX512BF16__)
   if (q.scalar_type() == at::kBFloat16 &&
-      decode_attention_bf16(out, q, key_cache, value_cache, block_tables, seq_lens, scale, window))
+      decode_attention_bf16(out, q, key_cache, value_cache, block_tables, seq_lens, scale, window,
+                            softcap))
     return;
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
     decode_attention_impl<scalar_t>(out, q, key_cache, value_cache, block_tables, seq_lens,
-                                    scale, window);
+                                    scale, window, softcap);
   });
 }
 
@@ -329,9 +340,10 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Te
 // query i of a chunk (position starts[seq] + i) against the keys at positions 0..max_len-1.
 // Each row becomes softmax(scale * scores) over the keys the query may see (positions up to
 // its own, and within the sliding window if any) and 0 elsewhere; padding rows (i at or past
-// the chunk's length) become 0.
+// the chunk's length) become 0. softcap > 0: the scaled scores are soft-capped first.
 void prefill_softmax_bf16(at::Tensor scores, at::Tensor starts, at::Tensor query_lens,
-                          int64_t num_kv_heads, int64_t max_q, double scale, int64_t window) {
+                          int64_t num_kv_heads, int64_t max_q, double scale, int64_t window,
+                          double softcap) {
   TORCH_CHECK(scores.scalar_type() == at::kBFloat16 && scores.is_contiguous() &&
               starts.is_contiguous() && query_lens.is_contiguous(),
               "prefill_softmax_bf16: contiguous bfloat16 scores expected");
@@ -368,7 +380,13 @@ void prefill_softmax_bf16(at::Tensor scores, at::Tensor starts, at::Tensor query
         _mm512_storeu_ps(buf.data() + t - first, v);
         vmax = _mm512_mask_max_ps(vmax, m, vmax, v);
       }
-      const __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+      float row_max = _mm512_reduce_max_ps(vmax);
+      if (softcap > 0) {  // lanes outside [lo, hi) hold 0 and stay 0
+        const float cap = static_cast<float>(softcap);
+        soft_cap(buf.data(), hi - first, cap);
+        row_max = cap * std::tanh(row_max / cap);  // tanh is increasing
+      }
+      const __m512 vm = _mm512_set1_ps(row_max);
       __m512 vsum = _mm512_setzero_ps();
       for (int64_t t = first; t < hi; t += 16) {
         const __m512 e = _mm512_maskz_mov_ps(

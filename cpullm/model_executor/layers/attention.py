@@ -81,11 +81,14 @@ class AttentionMetadata:
 
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 ops: KernelTable | None = None, window: int | None = None) -> None:
+                 ops: KernelTable | None = None, window: int | None = None,
+                 softcap: float = 0.0) -> None:
         """``window``: this layer's sliding window (0: none), for models whose layers differ
-        (Gemma 3); None: the model's, from the step's metadata."""
+        (Gemma 2 and 3); None: the model's, from the step's metadata. ``softcap`` > 0: each
+        scaled score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2)."""
         super().__init__()
         self.window = window
+        self.softcap = softcap
         self.ops = ops  # compiled kernels, or None for plain torch ops
         self.prefill_softmax = ops.prefill_softmax_bf16 if ops is not None else None
         self.num_heads = num_heads
@@ -109,7 +112,7 @@ class PagedAttention(nn.Module):
             # Reads each sequence's blocks in place: no gather, no padding.
             self.ops.decode_attention(out[:nd], q[:nd], key_cache, value_cache,
                                       meta.decode_block_tables, meta.decode_seq_lens,
-                                      self.scale, window)
+                                      self.scale, window, self.softcap)
         elif nd:
             out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta, window)
         if nd < q.shape[0]:
@@ -168,7 +171,7 @@ class PagedAttention(nn.Module):
         query = padded.view(num_prefills, max_q, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
         scores = torch.bmm(query.reshape(batch, group * max_q, dim), keys_t)
         self.prefill_softmax(scores, meta.prefill_starts, meta.prefill_query_lens, kv_heads,
-                             max_q, self.scale, window)
+                             max_q, self.scale, window, self.softcap)
         out = torch.bmm(scores, values)  # [batch, group * max_q, dim]
         return out.view(num_prefills, kv_heads, group, max_q, dim).permute(0, 3, 1, 2, 4)
 
@@ -185,8 +188,8 @@ class PagedAttention(nn.Module):
                                                             self.head_dim)
         query = q.view(num_seqs, self.num_kv_heads, group, self.head_dim)
         scores = torch.einsum("skgd,stkd->skgt", query, keys)  # [seqs, kv_heads, group, len]
-        scores = (scores.float() * self.scale).masked_fill_(~meta.decode_mask(window),
-                                                             float("-inf"))
+        scores = self._soft_cap(scores.float() * self.scale).masked_fill_(
+            ~meta.decode_mask(window), float("-inf"))
         probs = scores.softmax(dim=-1).to(q.dtype)
         out = torch.einsum("skgt,stkd->skgd", probs, values)
         return out.reshape(num_seqs, self.num_heads, self.head_dim)
@@ -197,6 +200,18 @@ class PagedAttention(nn.Module):
         # [num_seqs, max_blocks, block_size, kv_heads, d] -> [num_seqs, kv_heads, max_len, d]
         keys = key_cache[block_tables].view(num_seqs, -1, self.num_kv_heads, self.head_dim)
         values = value_cache[block_tables].view(num_seqs, -1, self.num_kv_heads, self.head_dim)
+        if self.softcap:  # SDPA has no soft-cap: the scores in full, as transformers does
+            group = self.num_heads // self.num_kv_heads
+            keys_t = keys.permute(0, 2, 3, 1).repeat_interleave(group, dim=1)  # [s, h, d, len]
+            scores = self._soft_cap(torch.matmul(query, keys_t) * self.scale)
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32)
+            values_h = values.transpose(1, 2).repeat_interleave(group, dim=1)
+            return torch.matmul(probs.to(query.dtype), values_h)
         return F.scaled_dot_product_attention(
             query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
             scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+
+    def _soft_cap(self, scores: torch.Tensor) -> torch.Tensor:
+        if not self.softcap:
+            return scores
+        return torch.tanh(scores / self.softcap) * self.softcap

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from cpullm.model_executor.models.gemma import Gemma3ForCausalLM, GemmaForCausalLM
+from cpullm.model_executor.models.gemma import (
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    GemmaForCausalLM,
+)
 from cpullm.model_executor.models.llama import (
     GraniteForCausalLM,
     LlamaForCausalLM,
@@ -15,6 +19,7 @@ from cpullm.model_executor.models.llama import (
 )
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,

@@ -1,14 +1,15 @@
-"""Gemma and Gemma 3 (text): the Llama layout with Gemma's own parts.
+"""Gemma, Gemma 2 and Gemma 3 (text): the Llama layout with Gemma's own parts.
 
 - RMSNorm scales by (1 + weight): the checkpoint's weights are loaded plus one.
 - GeGLU: down(gelu_tanh(gate) * up), the merged gate-up layer without a fused activation.
 - The embeddings are multiplied by sqrt(hidden size) (in the compute dtype, as
   transformers rounds it); the LM head is the tied embedding table.
-- Gemma 3: an RMSNorm on each query and key head, norms after attention and around the MLP
-  (the block outputs are normed before they join the residual), the attention scale
-  1 / sqrt(query_pre_attn_scalar), and two kinds of layers (``layer_types``): sliding ones
-  with their window and their own rope base, and full ones; an optional final logit
-  soft-cap. Attention logit soft-capping (Gemma 2) is not supported yet and is refused.
+- Gemma 2 and 3: norms after attention and around the MLP (the block outputs are normed
+  before they join the residual), the attention scale 1 / sqrt(query_pre_attn_scalar), two
+  kinds of layers (``layer_types``): sliding ones with their window and full ones, and the
+  optional soft-caps of the attention scores and of the final logits (Gemma 2 sets both).
+- Gemma 3: an RMSNorm on each query and key head, and rope parameters per layer kind (the
+  sliding layers have their own base).
 """
 
 from __future__ import annotations
@@ -62,20 +63,21 @@ class GemmaMLP(nn.Module):
 
 class GemmaDecoderLayer(nn.Module):
     def __init__(self, config: Any, rotary: RotaryEmbedding, window: int | None,
-                 gemma3: bool, dtype: torch.dtype, ops: KernelTable | None,
+                 version: int, dtype: torch.dtype, ops: KernelTable | None,
                  quant_config: QuantizationConfig | None) -> None:
         super().__init__()
         bias = bool(getattr(config, "attention_bias", False))
-        scale = config.query_pre_attn_scalar ** -0.5 if gemma3 else None
-        self.self_attn = LlamaAttention(config, rotary, bias, bias, gemma3, dtype, ops,
+        scale = config.query_pre_attn_scalar ** -0.5 if version >= 2 else None
+        softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
+        self.self_attn = LlamaAttention(config, rotary, bias, bias, version == 3, dtype, ops,
                                         quant_config, scale=scale, window=window,
-                                        norm=GemmaRMSNorm)
+                                        norm=GemmaRMSNorm, softcap=softcap)
         self.mlp = GemmaMLP(config.hidden_size, config.intermediate_size, dtype, quant_config)
         norm = lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)  # noqa: E731
         self.input_layernorm = norm()
         self.post_attention_layernorm = norm()
-        self.gemma3 = gemma3
-        if gemma3:
+        self.sandwich = version >= 2
+        if self.sandwich:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
 
@@ -87,18 +89,18 @@ class GemmaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, meta)
-        if not self.gemma3:
+        if not self.sandwich:
             hidden, residual = self.post_attention_layernorm(hidden, residual)
             return self.mlp(hidden), residual
-        # Gemma 3: each block's output is normed before it joins the residual (the next
-        # norm's residual add).
+        # Gemma 2 and 3: each block's output is normed before it joins the residual (the
+        # next norm's residual add).
         hidden, residual = self.pre_feedforward_layernorm(
             self.post_attention_layernorm(hidden), residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class GemmaModel(nn.Module):
-    def __init__(self, config: Any, max_position: int, gemma3: bool, dtype: torch.dtype,
+    def __init__(self, config: Any, max_position: int, version: int, dtype: torch.dtype,
                  ops: KernelTable | None, quant_config: QuantizationConfig | None) -> None:
         super().__init__()
         self.hidden_size = config.hidden_size
@@ -107,17 +109,17 @@ class GemmaModel(nn.Module):
         kinds = list(getattr(config, "layer_types", None)
                      or ["full_attention"] * config.num_hidden_layers)
         window = getattr(config, "sliding_window", None) or 0
-        # Gemma 3: rope parameters per layer kind; its sliding layers have their window,
-        # its full ones none
+        # Gemma 2 and 3: sliding layers have their window, full ones none; Gemma 3: rope
+        # parameters per layer kind
         rotary = {kind: RotaryEmbedding(config, head_dim, max_position, ops,
-                                        layer_type=kind if gemma3 else None)
+                                        layer_type=kind if version == 3 else None)
                   for kind in dict.fromkeys(kinds)}
-        windows = {kind: (window if kind == "sliding_attention" else 0) if gemma3 else None
-                   for kind in kinds}
+        windows = {kind: (window if kind == "sliding_attention" else 0) if version >= 2
+                   else None for kind in kinds}
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype,
                                            quant_config)
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, rotary[kind], windows[kind], gemma3, dtype, ops,
+            GemmaDecoderLayer(config, rotary[kind], windows[kind], version, dtype, ops,
                               quant_config) for kind in kinds)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
 
@@ -135,20 +137,17 @@ class GemmaModel(nn.Module):
 
 class GemmaForCausalLM(nn.Module):
     stacked_params = LlamaForCausalLM.stacked_params
-    gemma3 = False
+    version = 1
 
     def __init__(self, config: Any, max_position: int, dtype: torch.dtype,
                  ops: KernelTable | None = None,
                  quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
-        if getattr(config, "attn_logit_softcapping", None):
-            raise ValueError("attention logit soft-capping (attn_logit_softcapping, Gemma 2) "
-                             "is not supported")
         act = getattr(config, "hidden_activation", None) or config.hidden_act
         if act not in ("gelu_pytorch_tanh", "gelu"):  # "gelu": Gemma's legacy name for tanh
             raise ValueError(f"hidden activation {act!r} is not supported (gelu_pytorch_tanh)")
         self.config = config
-        self.model = GemmaModel(config, max_position, self.gemma3, dtype, ops, quant_config)
+        self.model = GemmaModel(config, max_position, self.version, dtype, ops, quant_config)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, quant_config)
         self.lm_head.tie(self.model.embed_tokens)
         self.softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)
@@ -167,5 +166,9 @@ class GemmaForCausalLM(nn.Module):
         load_named_weights(self, weights, self.stacked_params, {"lm_head.weight"})
 
 
+class Gemma2ForCausalLM(GemmaForCausalLM):
+    version = 2
+
+
 class Gemma3ForCausalLM(GemmaForCausalLM):
-    gemma3 = True
+    version = 3

@@ -31,10 +31,11 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: Any, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
                  qk_norm: bool, dtype: torch.dtype, ops: KernelTable | None,
                  quant_config: QuantizationConfig | None, scale: float | None = None,
-                 window: int | None = None, norm: type[RMSNorm] = RMSNorm) -> None:
+                 window: int | None = None, norm: type[RMSNorm] = RMSNorm,
+                 softcap: float = 0.0) -> None:
         """``scale``: of the attention scores (default: Granite's multiplier, else 1 / sqrt
         of the head size); ``window``: this layer's own sliding window (0: none; default:
-        the model's); ``norm``: the q/k norm's class."""
+        the model's); ``norm``: the q/k norm's class; ``softcap``: the scores' soft-cap."""
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -55,7 +56,7 @@ class LlamaAttention(nn.Module):
         if scale is None:
             scale = getattr(config, "attention_multiplier", None) or self.head_dim ** -0.5
         self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_kv_heads,
-                                   scale=scale, ops=ops, window=window)
+                                   scale=scale, ops=ops, window=window, softcap=softcap)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
