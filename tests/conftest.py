@@ -40,6 +40,8 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
         short_factor=[1.0, 1.2, 1.5, 2.0], long_factor=[1.5, 2.5, 4.0, 8.0],
         original_max_position_embeddings=256)),
+    "glm": dict(cls="GlmConfig", head_dim=16, partial_rotary_factor=0.5, attention_bias=True),
+    "glm4": dict(cls="Glm4Config", head_dim=16, partial_rotary_factor=0.5, attention_bias=True),
     "gemma": dict(cls="GemmaConfig", head_dim=16),
     # layer 0 sliding (window 24), 1 full; attention and final logit soft-caps tight enough
     # to bite

@@ -90,7 +90,7 @@ def test_prefix_cache_hits_give_same_tokens(tiny_model):
     assert_pool_free(llm)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "glm4", "gemma2", "gemma3"])
 def test_kernels_equal_enforce_eager(tiny_model, arch):
     model_dir = str(tiny_model(arch))
     prompts = make_prompts(2048)

@@ -9,6 +9,7 @@ from cpullm.model_executor.models.gemma import (
     Gemma3ForCausalLM,
     GemmaForCausalLM,
 )
+from cpullm.model_executor.models.glm import Glm4ForCausalLM, GlmForCausalLM
 from cpullm.model_executor.models.llama import (
     GraniteForCausalLM,
     LlamaForCausalLM,
@@ -20,6 +21,8 @@ from cpullm.model_executor.models.llama import (
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Glm4ForCausalLM": Glm4ForCausalLM,
+    "GlmForCausalLM": GlmForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,

@@ -118,15 +118,15 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, max_position: int, flags: dict[str, bool],
                  dtype: torch.dtype, ops: KernelTable | None,
-                 quant_config: QuantizationConfig | None) -> None:
+                 quant_config: QuantizationConfig | None,
+                 layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer) -> None:
         super().__init__()
         head_dim = (getattr(config, "head_dim", None)
                     or config.hidden_size // config.num_attention_heads)
         rotary = RotaryEmbedding(config, head_dim, max_position, ops)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype,
                                            quant_config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, flags, dtype, ops,
-                                                      quant_config)
+        self.layers = nn.ModuleList(layer_cls(config, rotary, flags, dtype, ops, quant_config)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))
@@ -144,6 +144,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    decoder_layer = LlamaDecoderLayer
     # checkpoint name -> (merged parameter, shard id)
     stacked_params = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -163,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, max_position, self.layer_flags(config), dtype, ops,
-                                quant_config)
+                                quant_config, self.decoder_layer)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
