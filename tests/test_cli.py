@@ -98,3 +98,12 @@ def test_kv_cache_default_says_why(tiny_model, monkeypatch):
     line = next(r for r in records if r.startswith("KV cache:"))
     assert "what max_num_seqs=3 requests of max_model_len=256 tokens can fill" in line
     assert "VLLM_CPU_KVCACHE_SPACE" in line
+
+
+def test_models_lists_every_architecture_the_registry_runs(capsys):
+    from cpullm.model_executor.models import MODEL_REGISTRY
+
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in MODEL_REGISTRY)
+    assert "Gemma3ForCausalLM" in out and "awq, gptq, compressed-tensors" in out

@@ -139,10 +139,12 @@ def test_unsupported_architecture_is_named(tmp_path, tokenizer_dir):
         LLM(str(tmp_path), dtype="float32", block_size=32, max_model_len=64)
 
 
-@pytest.mark.parametrize("arch", ["granite", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["granite", "gemma2", "gemma3", "phi3", "qwen3_moe",
+                                  "qwen2_moe"])
 def test_prompt_logprobs_match_transformers(tiny_model, arch):
     """What greedy tokens may not show: Granite's logits scaling, the Gemmas' soft-caps and the
-    windows of its sliding layers and Phi-3's (the prompt is longer than both)."""
+    windows of their sliding layers and Phi-3's (the prompt is longer than both), the MoE
+    routing weights and the shared expert's gate."""
     from transformers import AutoModelForCausalLM
 
     model_dir = str(tiny_model(arch))

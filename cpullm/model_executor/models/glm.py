@@ -67,8 +67,8 @@ class Glm4DecoderLayer(LlamaDecoderLayer):
 
     def __init__(self, config: Any, rotary: RotaryEmbedding, flags: dict[str, bool],
                  dtype: torch.dtype, ops: KernelTable | None,
-                 quant_config: QuantizationConfig | None) -> None:
-        super().__init__(config, rotary, flags, dtype, ops, quant_config)
+                 quant_config: QuantizationConfig | None, index: int = 0) -> None:
+        super().__init__(config, rotary, flags, dtype, ops, quant_config, index)
         self.post_self_attn_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
                                                 dtype, ops)
         self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)

@@ -88,12 +88,11 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, rotary: RotaryEmbedding, flags: dict[str, bool],
                  dtype: torch.dtype, ops: KernelTable | None,
-                 quant_config: QuantizationConfig | None) -> None:
+                 quant_config: QuantizationConfig | None, index: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary, dtype=dtype, ops=ops,
                                         quant_config=quant_config, **flags)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size,
-                            getattr(config, "mlp_bias", False), dtype, ops, quant_config)
+        self.mlp = self.make_mlp(config, index, dtype, ops, quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
                                                 ops)
@@ -109,6 +108,13 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.scale_output(self.self_attn(positions, hidden, kv_cache, meta))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.scale_output(self.mlp(hidden)), residual
+
+    @staticmethod
+    def make_mlp(config: Any, index: int, dtype: torch.dtype, ops: KernelTable | None,
+                 quant_config: QuantizationConfig | None) -> nn.Module:
+        """Layer ``index``'s feed-forward block (a mixture of experts overrides it)."""
+        return LlamaMLP(config.hidden_size, config.intermediate_size,
+                        getattr(config, "mlp_bias", False), dtype, ops, quant_config)
 
     def scale_output(self, hidden: torch.Tensor) -> torch.Tensor:
         """A block's output as it joins the residual stream (Granite scales it)."""
@@ -126,8 +132,8 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(config, head_dim, max_position, ops)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype,
                                            quant_config)
-        self.layers = nn.ModuleList(layer_cls(config, rotary, flags, dtype, ops, quant_config)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_cls(config, rotary, flags, dtype, ops, quant_config, i)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))
 

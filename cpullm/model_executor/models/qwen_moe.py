@@ -1,0 +1,116 @@
+"""Mixture-of-experts members of the Llama family: Qwen3-MoE (``Qwen3MoeForCausalLM``),
+Qwen2-MoE (``Qwen2MoeForCausalLM``, with a shared expert behind a sigmoid gate) and Mixtral
+(``MixtralForCausalLM``, whose checkpoints name the block ``block_sparse_moe`` and an
+expert's projections w1, w3 and w2).
+
+A sparse layer routes each token to its top-k experts: softmax over the router's logits
+in float32, the k largest, renormalised to sum to one where the config says so
+(``norm_topk_prob``). The experts run grouped: for each expert that some token of the step
+chose (and only those), one gate-up GEMM and one down GEMM over its tokens, the result
+weighted and added into those tokens' rows — no loop over tokens, and a decode step that
+touches few experts reads only their weights. Each expert is a dense Llama MLP whose
+weights are packed once at load like every other linear layer (and kept quantized, for a
+quantized checkpoint). Experts are added in increasing order, as transformers adds them, so
+float32 sums are the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cpullm.model_executor.layers.linear import ReplicatedLinear
+from cpullm.model_executor.layers.ops import KernelTable
+from cpullm.model_executor.layers.quantization import QuantizationConfig
+from cpullm.model_executor.models.llama import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts, and optionally a shared expert every token runs."""
+
+    def __init__(self, hidden_size: int, expert_size: int, num_experts: int, top_k: int,
+                 normalize: bool, dtype: torch.dtype, ops: KernelTable | None,
+                 quant_config: QuantizationConfig | None, shared_size: int = 0) -> None:
+        super().__init__()
+        self.top_k, self.normalize, self.num_experts = top_k, normalize, num_experts
+        self.gate = ReplicatedLinear(hidden_size, num_experts, dtype=dtype,
+                                     quant_config=quant_config)
+        self.experts = nn.ModuleList(LlamaMLP(hidden_size, expert_size, False, dtype, ops,
+                                              quant_config) for _ in range(num_experts))
+        self.shared_expert: LlamaMLP | None = None
+        if shared_size:
+            self.shared_expert = LlamaMLP(hidden_size, shared_size, False, dtype, ops,
+                                          quant_config)
+            self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, dtype=dtype,
+                                                       quant_config=quant_config)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[tokens, k] expert ids and their weights (in x's dtype)."""
+        logits = self.gate(x)  # [tokens, num_experts]
+        probs = F.softmax(logits, dim=-1, dtype=torch.float)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(logits.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        out = torch.zeros_like(x)
+        chosen = F.one_hot(experts, num_classes=self.num_experts).permute(2, 1, 0)  # [E, k, t]
+        for expert in chosen.sum(dim=(1, 2)).nonzero().flatten().tolist():
+            slot, tokens = torch.where(chosen[expert])  # the tokens that chose this expert
+            y = self.experts[expert](x[tokens]) * weights[tokens, slot, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class MoeDecoderLayer(LlamaDecoderLayer):
+    """A Llama-family layer whose feed-forward block is sparse where the config says so
+    (every ``decoder_sparse_step``-th layer, but those in ``mlp_only_layers``)."""
+
+    @staticmethod
+    def make_mlp(config: Any, index: int, dtype: torch.dtype, ops: KernelTable | None,
+                 quant_config: QuantizationConfig | None) -> nn.Module:
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        num_experts = getattr(config, "num_experts", None) or config.num_local_experts
+        sparse = (index not in (getattr(config, "mlp_only_layers", None) or [])
+                  and num_experts > 0 and (index + 1) % step == 0)
+        if not sparse:
+            return LlamaDecoderLayer.make_mlp(config, index, dtype, ops, quant_config)
+        expert_size = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        return SparseMoE(config.hidden_size, expert_size, num_experts,
+                         config.num_experts_per_tok, bool(getattr(config, "norm_topk_prob", True)),
+                         dtype, ops, quant_config,
+                         getattr(config, "shared_expert_intermediate_size", 0) or 0)
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    decoder_layer = MoeDecoderLayer
+    stacked_params = {**LlamaForCausalLM.stacked_params,
+                      "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1)}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        renamed = ((name.replace(".block_sparse_moe.", ".mlp.").replace(".w2.", ".down_proj."),
+                    tensor) for name, tensor in weights)
+        super().load_weights(renamed)
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    decoder_layer = MoeDecoderLayer
+
+
+class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
+    decoder_layer = MoeDecoderLayer
+
