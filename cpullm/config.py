@@ -81,15 +81,22 @@ class ModelConfig:
 
     def weight_bytes(self) -> int:
         """Memory the weights take once loaded: a GGUF file's tensors as kept (blocks stay
-        quantized), a quantized folder's files as they are, a folder's in the compute dtype
-        (Llama-family layout)."""
+        quantized), a quantized folder's files as they are, a folder's tensors in the
+        compute dtype."""
         if self.quantization == "gguf" and self.source.gguf_path is not None:
             from cpullm.model_executor.loader.gguf_loader import gguf_weight_bytes
 
             return gguf_weight_bytes(self.source.gguf_path, self.dtype, self.keeps_quantized)
+        files = sorted(glob.glob(os.path.join(self.source.directory, "*.safetensors")))
         if self.quantization not in (None, "fp8") and self.keeps_quantized:
-            files = glob.glob(os.path.join(self.source.directory, "*.safetensors"))
             return sum(os.path.getsize(f) for f in files)
+        if files and self.quantization in (None, "fp8"):
+            # every tensor of the folder in the compute dtype, whatever the architecture
+            from cpullm.model_executor.loader.safetensors_loader import safetensors_numel
+
+            element = torch.tensor([], dtype=self.dtype).element_size()
+            return safetensors_numel(files) * element
+        # packed integers dequantized at load, or no weights to read: the Llama layout's count
         c = self.hf_config
         hidden, inter = c.hidden_size, c.intermediate_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

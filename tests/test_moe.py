@@ -45,3 +45,17 @@ def test_grouped_experts_equal_a_per_token_loop(tokens, normalize, shared):
         if tokens <= 3:
             assert len(set(experts.flatten().tolist())) < 8  # some experts get no token
         assert torch.allclose(moe(x), _reference(moe, x), atol=1e-5)
+
+
+def test_weight_memory_counts_every_expert(tiny_model):
+    """The KV cache's default size and the memory check take the weights as they are: all
+    experts, not the Llama layout's dense count."""
+    from transformers import AutoModelForCausalLM
+
+    from cpullm.engine_args import EngineArgs
+
+    folder = str(tiny_model("qwen3_moe"))
+    config = EngineArgs(model=folder, dtype="float32", max_model_len=256,
+                        kv_cache_memory_bytes=1 << 24).create_engine_config()
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert config.model.weight_bytes() == 4 * sum(p.numel() for p in reference.parameters())

@@ -17,3 +17,14 @@ def iterate_safetensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 yield name, f.get_tensor(name)
+
+
+def safetensors_numel(files: list[str]) -> int:
+    """The number of values in the files' tensors, from their headers (nothing is read)."""
+    total = 0
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                shape = f.get_slice(name).get_shape()
+                total += int(torch.tensor(shape).prod()) if shape else 1
+    return total

@@ -64,13 +64,22 @@ class SparseMoE(nn.Module):
         return experts, weights.to(logits.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        experts, weights = self.route(x)
-        out = torch.zeros_like(x)
-        chosen = F.one_hot(experts, num_classes=self.num_experts).permute(2, 1, 0)  # [E, k, t]
-        for expert in chosen.sum(dim=(1, 2)).nonzero().flatten().tolist():
-            slot, tokens = torch.where(chosen[expert])  # the tokens that chose this expert
-            y = self.experts[expert](x[tokens]) * weights[tokens, slot, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
+        experts, weights = self.route(x)  # [tokens, k]
+        # The (token, choice) pairs sorted by expert: each expert's tokens are one run of
+        # rows, gathered once; within a run in token order, as transformers takes them.
+        order = torch.argsort(experts.flatten(), stable=True)
+        tokens = order // self.top_k
+        counts = torch.bincount(experts.flatten(), minlength=self.num_experts).tolist()
+        rows = x[tokens]  # [tokens * k, hidden]
+        out_rows = torch.empty_like(rows)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:  # only the experts some token chose
+                out_rows[start:start + count] = self.experts[expert](rows[start:start + count])
+                start += count
+        out_rows *= weights.flatten()[order, None]
+        # one add of every (token, choice) into its token's row, in expert order per token
+        out = torch.zeros_like(x).index_add_(0, tokens, out_rows)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
