@@ -18,6 +18,7 @@ from cpullm.model_executor.layers.quantization.dense import PackedGemm
 from cpullm.model_executor.loader.gguf_loader import iterate_gguf
 from cpullm.model_executor.loader.safetensors_loader import iterate_safetensors
 from cpullm.model_executor.models import get_model_class
+from cpullm.model_executor.models.qwen_moe import SparseMoE
 
 logger = init_logger(__name__)
 
@@ -80,6 +81,13 @@ def _log_gemm_paths(model: nn.Module, dtype: torch.dtype) -> None:
             logger.debug("%s: %s [%d -> %d] %s via %s", name, type(module).__name__,
                          module.input_size, module.output_size,
                          str(dtype).removeprefix("torch."), module.method.describe(module))
+        elif isinstance(module, SparseMoE):
+            logger.debug("%s: SparseMoE, %d experts, top %d%s, %s: per step, one gate-up and "
+                         "one down GEMM per expert some token chose, over its tokens", name,
+                         module.num_experts, module.top_k,
+                         " renormalised" if module.normalize else "",
+                         "with a gated shared expert" if module.shared_expert is not None
+                         else "no shared expert")
         elif isinstance(module, LMHead):
             logger.debug("%s: LMHead [%d -> %d] %s via %s", name, module.hidden_size,
                          module.vocab_size, str(dtype).removeprefix("torch."), module.describe())
