@@ -29,7 +29,11 @@ from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import QuantizationConfig
 from cpullm.model_executor.layers.rotary import RotaryEmbedding
 from cpullm.model_executor.loader.weights import load_named_weights
-from cpullm.model_executor.models.llama import LlamaAttention, LlamaForCausalLM
+from cpullm.model_executor.models.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    add_and_norm,
+)
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -84,10 +88,7 @@ class GemmaDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, meta)
         if not self.sandwich:
             hidden, residual = self.post_attention_layernorm(hidden, residual)

@@ -23,7 +23,11 @@ from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import QuantizationConfig
 from cpullm.model_executor.layers.rotary import RotaryEmbedding
 from cpullm.model_executor.loader.weights import load_named_weights
-from cpullm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from cpullm.model_executor.models.llama import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    add_and_norm,
+)
 
 
 def rotate_half_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
@@ -76,10 +80,7 @@ class Glm4DecoderLayer(LlamaDecoderLayer):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
         hidden = self.post_self_attn_layernorm(self.self_attn(positions, hidden, kv_cache, meta))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.post_mlp_layernorm(self.mlp(hidden)), residual

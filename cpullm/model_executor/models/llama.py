@@ -85,6 +85,15 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.gate_up_proj(x))
 
 
+def add_and_norm(norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's input norm: (norm(hidden + residual), hidden + residual); the first layer,
+    with no residual yet, starts it from its input."""
+    if residual is None:
+        return norm(hidden), hidden
+    return norm(hidden, residual)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, rotary: RotaryEmbedding, flags: dict[str, bool],
                  dtype: torch.dtype, ops: KernelTable | None,
@@ -101,10 +110,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
         hidden = self.scale_output(self.self_attn(positions, hidden, kv_cache, meta))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.scale_output(self.mlp(hidden)), residual
