@@ -427,3 +427,29 @@ def test_quantization_flag_must_match_the_checkpoint(tiny_model):
         LLM(model=str(tiny_model("llama")), quantization="awq")
     with pytest.raises(ValueError, match="'int3' is not supported"):
         LLM(model=str(tiny_model("llama")), quantization="int3")
+
+
+def test_fp8_block_scales_dequantize_per_block():
+    """quant_method fp8 with weight_block_size [128, 128]: one weight_scale_inv per block,
+    the last blocks partial."""
+    from cpullm.model_executor.layers.quantization.compressed_tensors import (
+        CompressedTensorsScheme,
+    )
+
+    gen = torch.Generator().manual_seed(0)
+    n, k = 200, 300  # blocks of 128: 2 x 3, the last ones short
+    weight = (torch.randn(n, k, generator=gen) * 2).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(2, 3, generator=gen) + 0.5
+    from cpullm.model_executor.layers.quantization.compressed_tensors import FP8Config
+
+    scheme = FP8Config({"quant_method": "fp8", "weight_block_size": [128, 128]}).scheme
+    tensors = {"weight": weight, "weight_scale_inv": scale_inv}
+    assert scheme.is_quantized(tensors)
+    rows, cols = torch.arange(n) // 128, torch.arange(k) // 128
+    assert torch.equal(scheme.unpack(tensors, n, k),
+                       weight.float() * scale_inv[rows][:, cols])
+    assert torch.equal(CompressedTensorsScheme().unpack(tensors, n, k),  # 128 x 128 found
+                       weight.float() * scale_inv[rows][:, cols])
+    with pytest.raises(ValueError, match="need the block size"):
+        CompressedTensorsScheme().unpack({**tensors, "weight_scale_inv": torch.ones(3, 7)},
+                                         n, k)

@@ -42,9 +42,11 @@ def _per_row(scale: torch.Tensor, rows: int) -> torch.Tensor:
     return scale.reshape(rows, -1)
 
 
-def _block_scaled(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """A float8 weight [n, k] times its scales: per tensor, per row, or per block
-    [ceil(n / bn), ceil(k / bk)] (FP8 block quantization), in float32."""
+def _block_scaled(weight: torch.Tensor, scale: torch.Tensor,
+                  block: tuple[int, int] | None) -> torch.Tensor:
+    """A float8 weight [n, k] times its scales: per tensor, per row, or per block of
+    ``block`` = (rows, columns) (FP8 block quantization: scales [ceil(n / bn), ceil(k / bk)],
+    the last blocks partial), in float32."""
     n, k = weight.shape
     w = weight.float()
     scale = scale.float()
@@ -52,16 +54,32 @@ def _block_scaled(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return w * scale.reshape(-1, 1)
     if scale.dim() != 2:
         raise ValueError(f"weight scales of shape {tuple(scale.shape)} do not fit [{n}, {k}]")
-    bn, bk = -(-n // scale.shape[0]), -(-k // scale.shape[1])
+    if block is None:  # not in the config: FP8's usual 128 x 128, or blocks that divide
+        if scale.shape == (-(-n // 128), -(-k // 128)):
+            block = (128, 128)
+        elif n % scale.shape[0] == 0 and k % scale.shape[1] == 0:
+            block = (n // scale.shape[0], k // scale.shape[1])
+        else:
+            raise ValueError(f"weight scales {tuple(scale.shape)} for a [{n}, {k}] weight need "
+                             "the block size (weight_block_size)")
+    bn, bk = block
+    if scale.shape != (-(-n // bn), -(-k // bk)):
+        raise ValueError(f"weight scales {tuple(scale.shape)} do not fit a [{n}, {k}] weight in "
+                         f"blocks of {bn} x {bk}")
     full = scale.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
     return w * full
 
 
 class CompressedTensorsScheme(CheckpointScheme):
+    """``block``: FP8's weight block (rows, columns), where the config gives one."""
+
     origin = "compressed-tensors"
     tensors = {"weight_packed": True, "weight_scale": False, "weight_zero_point": True,
                "weight_shape": True, "weight_g_idx": True, "weight_scale_inv": False,
                "input_scale": False, "input_zero_point": True}
+
+    def __init__(self, block: tuple[int, int] | None = None) -> None:
+        self.block = block
 
     def is_quantized(self, tensors: dict[str, torch.Tensor]) -> bool:
         weight = tensors.get("weight")
@@ -75,7 +93,7 @@ class CompressedTensorsScheme(CheckpointScheme):
             raise ValueError("a quantized weight without weight_scale")
         weight = tensors.get("weight")
         if weight is not None and weight.dtype in _FLOAT8:
-            return _block_scaled(weight, scale)
+            return _block_scaled(weight, scale, self.block)
         scales = _per_row(scale, rows)
         zero = tensors.get("weight_zero_point")
         if "weight_packed" in tensors:
@@ -136,10 +154,17 @@ class CompressedTensorsConfig(GroupQuantConfig):
             if config.get(key):
                 raise ValueError(f"quantization: compressed-tensors with {key} is not "
                                  "supported")
+        blocks = set()
         for name, group in (config.get("config_groups") or {}).items():
             _check_args(name, group.get("weights"), "weights")
             _check_args(name, group.get("input_activations"), "input activations")
-        self.scheme = CompressedTensorsScheme()
+            structure = (group.get("weights") or {}).get("block_structure")
+            if structure:
+                blocks.add(tuple(structure))
+        if len(blocks) > 1:
+            raise ValueError("quantization: compressed-tensors groups with different FP8 "
+                             f"blocks {sorted(blocks)} are not supported")
+        self.scheme = CompressedTensorsScheme(blocks.pop() if blocks else None)
 
 
 class FP8Config(GroupQuantConfig):
@@ -152,4 +177,5 @@ class FP8Config(GroupQuantConfig):
         fmt = config.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise ValueError(f"quantization: FP8 format {fmt!r} is not supported (e4m3)")
-        self.scheme = CompressedTensorsScheme()
+        block = config.get("weight_block_size")
+        self.scheme = CompressedTensorsScheme(tuple(block) if block else None)
