@@ -141,6 +141,10 @@ def test_data_parallel_replicas_give_the_results_of_one(tiny_model):
             if size == 2:  # both replicas looked up prompts, so both received work
                 queries = _per_engine(srv, "vllm:prefix_cache_queries_total")
                 assert set(queries) == {"0", "1"} and min(queries.values()) > 0, queries
+                # and the request-level metrics count each request under its replica
+                finished = _per_engine(srv, "vllm:e2e_request_latency_seconds_count")
+                assert set(finished) == {"0", "1"} and min(finished.values()) > 0, finished
+                assert sum(finished.values()) == len(prompts)
                 srv.wait_idle()
                 # One replica dies: the server says so, naming it, within seconds.
                 cores = sorted(p for p in _children(srv.proc.pid) if "spawn_main" in _cmdline(p))

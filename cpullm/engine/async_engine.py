@@ -111,6 +111,10 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def replica_of(self, request_id: str) -> int:
+        """The replica that runs a request: this engine has one."""
+        return 0
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, cache_salt: str | None = None
                        ) -> AsyncGenerator[RequestOutput, None]:

@@ -74,6 +74,7 @@ class AsyncMPEngine:
         self.dead_error: BaseException | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._replica_of: dict[str, int] = {}  # open request -> the replica running it
+        self._served_by: dict[str, int] = {}  # the same, until its stream is closed
         self._load = [0] * replicas  # open requests per replica
         self.num_open_requests = 0  # generate() calls not finished
         self._tasks: list[asyncio.Task[None]] = []
@@ -164,12 +165,20 @@ class AsyncMPEngine:
         replica = min(range(len(self.cores)), key=lambda i: (self._load[i], i))
         self._load[replica] += 1
         self._replica_of[request_id] = replica
+        self._served_by[request_id] = replica
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = outputs
         self._send(replica, [msg.ADD, [msg.encode_request(s) for s in sequences]])
-        async with contextlib.aclosing(stream_outputs(self, request_id, outputs)) as stream:
-            async for item in stream:
-                yield item
+        try:
+            async with contextlib.aclosing(stream_outputs(self, request_id, outputs)) as stream:
+                async for item in stream:
+                    yield item
+        finally:
+            del self._served_by[request_id]
+
+    def replica_of(self, request_id: str) -> int:
+        """The replica that runs (or ran) a request whose outputs are being read."""
+        return self._served_by.get(request_id, 0)
 
     def abort(self, request_id: str) -> None:
         self._queues.pop(request_id, None)

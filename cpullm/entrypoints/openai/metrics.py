@@ -16,7 +16,7 @@ from cpullm.outputs import RequestOutput
 from cpullm.sampling_params import SamplingParams
 
 _LABELS = ["model_name", "engine"]
-_ENGINE = "0"  # the label of request-level metrics (the scheduler's are per replica)
+_ENGINE = "0"  # the label of what no replica owns (refusals, the server's configuration)
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -78,9 +78,44 @@ class _EngineCollector(Collector):
                 yield metric
 
 
+class RequestMetrics:
+    """The request-level metrics of one engine replica (its ``engine`` label)."""
+
+    def __init__(self, families: dict[str, Any], success: Counter, model_name: str,
+                 engine: str) -> None:
+        child = {name: family.labels(model_name, engine) for name, family in families.items()}
+        self.time_to_first_token = child["time_to_first_token"]
+        self.inter_token_latency = child["inter_token_latency"]
+        self._child = child
+        self._success, self._labels = success, (model_name, engine)
+
+    def record_finished(self, output: RequestOutput, params: SamplingParams,
+                        num_prompt_tokens: int, num_generated: int, e2e_seconds: float) -> None:
+        child = self._child
+        child["prompt_tokens"].inc(num_prompt_tokens)
+        child["generation_tokens"].inc(num_generated)
+        child["e2e_latency"].observe(e2e_seconds)
+        child["request_prompt_tokens"].observe(num_prompt_tokens)
+        child["request_generation_tokens"].observe(num_generated)
+        child["request_params_n"].observe(params.n)
+        if params.max_tokens is not None:
+            child["request_params_max_tokens"].observe(params.max_tokens)
+        times = output.metrics
+        for name, start, end in (("queue_time", "arrival_time", "scheduled_time"),
+                                 ("prefill_time", "scheduled_time", "first_token_time"),
+                                 ("decode_time", "first_token_time", "last_token_time"),
+                                 ("inference_time", "scheduled_time", "last_token_time")):
+            if start in times and end in times:
+                child[name].observe(times[end] - times[start])
+        for completion in output.outputs:
+            if completion.finish_reason is not None:
+                self._success.labels(*self._labels, completion.finish_reason).inc()
+
+
 class ServerMetrics:
-    """The server's metric families; request-level ones are recorded as requests finish,
-    the tokens of each engine step on the engine thread."""
+    """The server's metric families. Request-level ones are recorded as requests finish,
+    under the replica that ran them (``for_engine``); the tokens of each engine step on
+    the engine thread."""
 
     def __init__(self, engine: ServingEngine, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -90,56 +125,60 @@ class ServerMetrics:
         max_model_len = config.model.max_model_len
         token_buckets = buckets_1_2_5(max_model_len)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
-            return Histogram(name, doc, _LABELS, registry=self.registry,
-                             buckets=buckets).labels(model_name, _ENGINE)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, _LABELS, registry=self.registry, buckets=buckets)
 
-        def counter(name: str, doc: str) -> Any:
-            return Counter(name, doc, _LABELS, registry=self.registry).labels(model_name,
-                                                                              _ENGINE)
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, _LABELS, registry=self.registry)
 
-        self.time_to_first_token = histogram("vllm:time_to_first_token_seconds",
-                                             "Time to first token in seconds.", _TTFT_BUCKETS)
-        self.inter_token_latency = histogram("vllm:inter_token_latency_seconds",
+        families: dict[str, Any] = {
+            "time_to_first_token": histogram("vllm:time_to_first_token_seconds",
+                                             "Time to first token in seconds.", _TTFT_BUCKETS),
+            "inter_token_latency": histogram("vllm:inter_token_latency_seconds",
                                              "Time between streamed tokens in seconds.",
-                                             _TOKEN_LATENCY_BUCKETS)
-        self.e2e_latency = histogram("vllm:e2e_request_latency_seconds",
+                                             _TOKEN_LATENCY_BUCKETS),
+            "e2e_latency": histogram("vllm:e2e_request_latency_seconds",
                                      "End-to-end request latency in seconds.",
-                                     _REQUEST_LATENCY_BUCKETS)
-        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                     _REQUEST_LATENCY_BUCKETS),
+            "queue_time": histogram("vllm:request_queue_time_seconds",
                                     "Time a request waited before it was first scheduled.",
-                                    _REQUEST_LATENCY_BUCKETS)
-        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                    _REQUEST_LATENCY_BUCKETS),
+            "prefill_time": histogram("vllm:request_prefill_time_seconds",
                                       "Time from first scheduled to the first token.",
-                                      _REQUEST_LATENCY_BUCKETS)
-        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                      _REQUEST_LATENCY_BUCKETS),
+            "decode_time": histogram("vllm:request_decode_time_seconds",
                                      "Time from the first token to the last.",
-                                     _REQUEST_LATENCY_BUCKETS)
-        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                     _REQUEST_LATENCY_BUCKETS),
+            "inference_time": histogram("vllm:request_inference_time_seconds",
                                         "Time from first scheduled to the last token.",
-                                        _REQUEST_LATENCY_BUCKETS)
-        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
+                                        _REQUEST_LATENCY_BUCKETS),
+            "request_prompt_tokens": histogram("vllm:request_prompt_tokens",
                                                "Prompt tokens of each finished request.",
-                                               token_buckets)
-        self.request_generation_tokens = histogram(
-            "vllm:request_generation_tokens", "Generated tokens of each finished request.",
-            token_buckets)
-        self.request_params_n = histogram("vllm:request_params_n",
-                                          "The n request parameter.", _N_BUCKETS)
-        self.request_params_max_tokens = histogram("vllm:request_params_max_tokens",
+                                               token_buckets),
+            "request_generation_tokens": histogram(
+                "vllm:request_generation_tokens", "Generated tokens of each finished request.",
+                token_buckets),
+            "request_params_n": histogram("vllm:request_params_n", "The n request parameter.",
+                                          _N_BUCKETS),
+            "request_params_max_tokens": histogram("vllm:request_params_max_tokens",
                                                    "The max_tokens request parameter.",
-                                                   token_buckets)
+                                                   token_buckets),
+            "prompt_tokens": counter("vllm:prompt_tokens", "Prefill tokens processed."),
+            "generation_tokens": counter("vllm:generation_tokens",
+                                         "Generation tokens produced."),
+        }
+        success = Counter("vllm:request_success", "Successfully finished requests.",
+                          [*_LABELS, "finished_reason"], registry=self.registry)
+        # every replica's series exist from the start, so /metrics lists them all
+        self._engines = [RequestMetrics(families, success, model_name, str(i))
+                         for i in range(config.parallel.data_parallel_size)]
         self.iteration_tokens = histogram("vllm:iteration_tokens_total",
                                           "Tokens computed by each engine step.",
-                                          _ITERATION_TOKEN_BUCKETS)
+                                          _ITERATION_TOKEN_BUCKETS).labels(model_name, _ENGINE)
         self.rejected_overload = counter(
             "cpullm:requests_rejected_overload",
-            "Requests refused with a 503 because the server was at capacity.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens",
-                                         "Generation tokens produced.")
-        self._success = Counter("vllm:request_success", "Successfully finished requests.",
-                                [*_LABELS, "finished_reason"], registry=self.registry)
+            "Requests refused with a 503 because the server was at capacity.").labels(
+                model_name, _ENGINE)
         cache = config.cache
         # vLLM names the KV blocks of its device "gpu blocks", on CPUs too.
         info = {"block_size": cache.block_size, "num_gpu_blocks": cache.num_blocks,
@@ -150,24 +189,6 @@ class ServerMetrics:
                   **{k: str(v) for k, v in info.items()}).set(1)
         engine.on_step = self.iteration_tokens.observe
 
-    def record_finished(self, output: RequestOutput, params: SamplingParams,
-                        num_prompt_tokens: int, num_generated: int, e2e_seconds: float) -> None:
-        self.prompt_tokens.inc(num_prompt_tokens)
-        self.generation_tokens.inc(num_generated)
-        self.e2e_latency.observe(e2e_seconds)
-        self.request_prompt_tokens.observe(num_prompt_tokens)
-        self.request_generation_tokens.observe(num_generated)
-        self.request_params_n.observe(params.n)
-        if params.max_tokens is not None:
-            self.request_params_max_tokens.observe(params.max_tokens)
-        times = output.metrics
-        for histogram, start, end in (
-                (self.queue_time, "arrival_time", "scheduled_time"),
-                (self.prefill_time, "scheduled_time", "first_token_time"),
-                (self.decode_time, "first_token_time", "last_token_time"),
-                (self.inference_time, "scheduled_time", "last_token_time")):
-            if start in times and end in times:
-                histogram.observe(times[end] - times[start])
-        for completion in output.outputs:
-            if completion.finish_reason is not None:
-                self._success.labels(self.model_name, _ENGINE, completion.finish_reason).inc()
+    def for_engine(self, replica: int) -> RequestMetrics:
+        """The request-level metrics of engine replica ``replica``."""
+        return self._engines[replica]

@@ -172,21 +172,23 @@ class ServingBase:
         try:
             async for output in stream:
                 now = time.monotonic()
+                # under the replica that runs the request
+                metrics = self.metrics.for_engine(self.engine.replica_of(request_id))
                 new_tokens = sum(len(c.token_ids) for c in output.outputs)
                 if new_tokens and streaming:
                     if first:
-                        self.metrics.time_to_first_token.observe(now - start)
+                        metrics.time_to_first_token.observe(now - start)
                         first = False
                     else:
-                        self.metrics.inter_token_latency.observe(now - last)
+                        metrics.inter_token_latency.observe(now - last)
                     last = now
                 if output.finished and not streaming and "first_token_time" in output.metrics:
-                    self.metrics.time_to_first_token.observe(
+                    metrics.time_to_first_token.observe(
                         output.metrics["first_token_time"] - output.metrics["arrival_time"])
                 num_tokens += new_tokens
                 if output.finished:
-                    self.metrics.record_finished(output, params, len(token_ids), num_tokens,
-                                                 now - start)
+                    metrics.record_finished(output, params, len(token_ids), num_tokens,
+                                            now - start)
                 yield output
         except ValueError as e:
             raise OpenAIError.from_value_error(e) from None
