@@ -137,3 +137,21 @@ def assert_greedy_follows(exact: list[Any], other: list[Any]) -> None:
             if x != y:
                 assert y in a.logprobs[i] and x in b.logprobs[i], (i, a.token_ids, b.token_ids)
                 break
+
+
+def hf_greedy(reference: Any, prompts: list[list[int]], max_new_tokens: int
+              ) -> list[list[int]]:
+    """transformers' greedy float32 tokens for each prompt, from a model folder or a loaded
+    model, with no end-of-sequence stop."""
+    from transformers import AutoModelForCausalLM
+
+    model = reference if isinstance(reference, torch.nn.Module) else \
+        AutoModelForCausalLM.from_pretrained(str(reference), dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    results = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens)
+        results.append(out[0, len(prompt):].tolist())
+    return results

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, assert_pool_free
+from conftest import ARCHITECTURES, assert_pool_free, hf_greedy
 
 from cpullm import LLM, SamplingParams
 
@@ -16,19 +16,6 @@ def make_prompts(vocab_size: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(1234)
     return [torch.randint(100, vocab_size, (n,), generator=generator).tolist()
             for n in PROMPT_LENS]
-
-
-def hf_greedy(model_dir, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    results = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=NUM_NEW_TOKENS)
-        results.append(out[0, len(prompt):].tolist())
-    return results
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
@@ -48,7 +35,7 @@ def golden(request, tiny_model):
     from transformers import AutoConfig
 
     prompts = make_prompts(AutoConfig.from_pretrained(model_dir).vocab_size)
-    return model_dir, prompts, hf_greedy(model_dir, prompts)
+    return model_dir, prompts, hf_greedy(model_dir, prompts, NUM_NEW_TOKENS)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

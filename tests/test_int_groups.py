@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import assert_greedy_follows, quantized_kernels
+from conftest import assert_greedy_follows, hf_greedy, quantized_kernels
 from safetensors.torch import save_file
 
 from cpullm.model_executor.layers.quantization.awq import ORDER
@@ -242,22 +242,6 @@ def _generate(model: str, dtype: str, max_tokens: int = 16):
     return llm.llm_engine.model_runner.model, [o.outputs[0] for o in outputs]
 
 
-def _transformers_tokens(reference: Path | torch.nn.Module, max_tokens: int = 16
-                         ) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = reference if isinstance(reference, torch.nn.Module) else \
-        AutoModelForCausalLM.from_pretrained(str(reference), dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    out = []
-    for prompt in PROMPTS:
-        ids = torch.tensor([prompt])
-        got = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_tokens)
-        out.append(got[0, len(prompt):].tolist())
-    return out
-
-
 def _check_end_to_end(quantized: Path, expected: list[list[int]], origin: str | None) -> None:
     """float32: exactly the reference's tokens; bfloat16, kept quantized where the kernels
     run: every linear layer's weights quantized (but those the checkpoint keeps in floats),
@@ -301,7 +285,7 @@ def test_gptq_checkpoint_matches_transformers(case, tmp_path, tokenizer_dir):
     bits, group, symmetric, act_order, v2 = case
     quantized, reference = write_checkpoint(tmp_path, tokenizer_dir, "gptq", bits, group,
                                             symmetric, act_order, v2)
-    _check_end_to_end(quantized, _transformers_tokens(reference), "GPTQ")
+    _check_end_to_end(quantized, hf_greedy(reference, PROMPTS, 16), "GPTQ")
 
 
 @pytest.mark.parametrize("group", [32, 128])
@@ -310,7 +294,7 @@ def test_awq_checkpoint_matches_transformers(group, tmp_path, tokenizer_dir):
     not_converted = ("mlp.down_proj",) if group == 32 else ()
     quantized, reference = write_checkpoint(tmp_path, tokenizer_dir, "awq", 4, group, False,
                                             False, not_converted=not_converted)
-    _check_end_to_end(quantized, _transformers_tokens(reference), "AWQ")
+    _check_end_to_end(quantized, hf_greedy(reference, PROMPTS, 16), "AWQ")
     if not_converted:
         from cpullm.model_executor.layers.linear import LinearBase
 
@@ -386,7 +370,7 @@ def test_compressed_tensors_checkpoint_matches_transformers(name, tmp_path, toke
     reference = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=torch.float32,
         quantization_config=CompressedTensorsConfig(run_compressed=False))
-    _check_end_to_end(path, _transformers_tokens(reference),
+    _check_end_to_end(path, hf_greedy(reference, PROMPTS, 16),
                       None if name.startswith("fp8") else "compressed-tensors")
 
 
