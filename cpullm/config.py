@@ -106,10 +106,42 @@ class ModelConfig:
         element = torch.tensor([], dtype=self.dtype).element_size()
         return (self.num_layers * per_layer + embeddings + hidden) * element
 
-    def kv_bytes_per_token(self) -> int:
-        """K and V of one token over all layers, in bytes."""
+    def kv_heads_per_rank(self, tensor_parallel_size: int = 1) -> int:
+        """The KV heads each tensor-parallel rank holds: its share, or one (replicated)
+        where there are fewer KV heads than ranks."""
+        return max(1, self.num_kv_heads // tensor_parallel_size)
+
+    def check_parallel(self, parallel: ParallelConfig) -> None:
+        """Refuse, by what does not divide, a model that cannot split over the ranks."""
+        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        c = self.hf_config
+        if tp > 1:
+            sizes = {"attention heads": self.num_heads,
+                     "intermediate size": getattr(c, "intermediate_size", tp)}
+            for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+                if getattr(c, name, None):
+                    sizes[name.replace("_", " ")] = getattr(c, name)
+            for what, size in sizes.items():
+                if size % tp:
+                    raise ValueError(f"tensor_parallel_size={tp}: the model's {size} {what} do "
+                                     f"not split over {tp} ranks")
+            kv = self.num_kv_heads
+            if kv % tp and tp % kv:
+                raise ValueError(f"tensor_parallel_size={tp}: the model's {kv} KV heads neither "
+                                 f"split over {tp} ranks nor divide them")
+        if pp > self.num_layers:
+            raise ValueError(f"pipeline_parallel_size={pp}: the model has only "
+                             f"{self.num_layers} layers")
+
+    def kv_bytes_per_token(self, parallel: ParallelConfig | None = None) -> int:
+        """K and V of one token over all layers, in bytes; given ``parallel``, on the rank
+        that holds the most (the stage with the most layers)."""
         element = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+        layers, heads = self.num_layers, self.num_kv_heads
+        if parallel is not None:
+            layers = -(-layers // parallel.pipeline_parallel_size)
+            heads = self.kv_heads_per_rank(parallel.tensor_parallel_size)
+        return 2 * layers * heads * self.head_dim * element
 
 
 @dataclass(frozen=True)
@@ -152,15 +184,16 @@ class ParallelConfig:
     binding: BindingPlan = field(default_factory=lambda: BindingPlan("nobind", ()))
     topology: CpuTopology | None = None
     data_parallel_rank: int = 0  # which replica this config is for
+    # Where the ranks of a tensor/pipeline-parallel replica meet (the driver's TCPStore);
+    # port 0: a free one.
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-            if value > 1 and name != "data_parallel_size":
-                raise ValueError(f"{name}={value}: parallel execution is not supported yet; "
-                                 "run with 1")
 
     @property
     def world_size(self) -> int:

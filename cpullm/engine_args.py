@@ -172,6 +172,7 @@ class EngineArgs:
         get_model_class(model_config.architecture)  # an unsupported one fails here, by name
         sizes = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                self.data_parallel_size)  # validates the sizes before planning
+        model_config.check_parallel(sizes)
         binding = plan_binding(topology, envs.VLLM_CPU_OMP_THREADS_BIND,
                                sizes.world_size * sizes.data_parallel_size,
                                envs.VLLM_CPU_NUM_OF_RESERVED_CPU, envs.CPU_VISIBLE_MEMORY_NODES)
@@ -217,11 +218,12 @@ class EngineArgs:
         if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
             raise ValueError(f"prefix_caching_hash_algo: {self.prefix_caching_hash_algo!r} is "
                              f"not supported; supported: {', '.join(PREFIX_CACHING_HASH_ALGOS)}")
-        block_bytes = model_config.kv_bytes_per_token() * self.block_size
+        # Sizes per rank: each holds its share of the weights and a KV cache of ``budget``
+        # for its KV heads of its layers (VLLM_CPU_KVCACHE_SPACE is per rank, as in vLLM).
+        block_bytes = model_config.kv_bytes_per_token(parallel) * self.block_size
         blocks_per_seq = cdiv(model_config.max_model_len, self.block_size)
-        weights = model_config.weight_bytes()
-        # Every data-parallel replica holds the weights and a KV cache of this size.
-        replicas = parallel.data_parallel_size
+        weights = model_config.weight_bytes() // parallel.world_size
+        replicas = parallel.data_parallel_size * parallel.world_size  # ranks in all
         available = _available_memory(parallel)
         if self.kv_cache_memory_bytes is not None:
             budget, origin = self.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
@@ -238,11 +240,11 @@ class EngineArgs:
                  f"{model_config.max_model_len} tokens can fill"),
                 ((max(0, available // replicas - weights) // 2,
                   "half the memory left after the weights on the NUMA node(s) in use"
-                  + (f", per replica of {replicas}" if replicas > 1 else ""))))
+                  + (f", per rank of {replicas}" if replicas > 1 else ""))))
             origin = (f"default, {reason}; VLLM_CPU_KVCACHE_SPACE or --kv-cache-memory-bytes "
                       "sets it")
         if replicas * (weights + budget) > available:
-            per = f" for each of {replicas} replicas" if replicas > 1 else ""
+            per = f" for each of {replicas} ranks" if replicas > 1 else ""
             raise ValueError(
                 f"the weights ({weights / GiB:.2f} GiB) and the KV cache ({budget / GiB:.2f} GiB, "
                 f"{origin}){per} need {replicas * (weights + budget) / GiB:.2f} GiB, but the "

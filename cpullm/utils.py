@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+import ctypes
+import signal
+import sys
+
 
 def cdiv(a: int, b: int) -> int:
     """a / b rounded up, for positive b: the blocks that hold a tokens."""
     return -(-a // b)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent dies (SIGKILL'd servers included)."""
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass

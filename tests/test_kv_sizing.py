@@ -62,6 +62,6 @@ def test_data_parallel_replicas_share_the_memory(tiny_model, monkeypatch):
     config = args.create_engine_config()
     assert config.cache.num_blocks == (1 << 20) // BLOCK_BYTES  # per replica
     assert [config.replica(i).parallel.data_parallel_rank for i in (0, 1)] == [0, 1]
-    with pytest.raises(ValueError, match="for each of 2 replicas"):
+    with pytest.raises(ValueError, match="for each of 2 ranks"):
         EngineArgs(model=str(model), dtype="float32", block_size=32, max_model_len=256,
                    kv_cache_memory_bytes=1 << 50, data_parallel_size=2).create_engine_config()

@@ -19,7 +19,7 @@ from cpullm.config import EngineConfig
 from cpullm.engine.request import Request, RequestStatus
 from cpullm.engine.sched_output import LogprobsLists
 from cpullm.engine.scheduler import Scheduler
-from cpullm.executor import Executor, UniProcExecutor
+from cpullm.executor import Executor, create_executor
 from cpullm.sampling_params import SamplingParams
 
 
@@ -74,7 +74,7 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         torch.manual_seed(config.model.seed)
         self.scheduler = Scheduler(config.scheduler, config.cache)
-        self.executor: Executor = UniProcExecutor(config, eos_token_ids)
+        self.executor: Executor = create_executor(config, eos_token_ids)
         self.last_step_num_tokens = 0  # prompt and output tokens computed by the last step
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -122,6 +122,13 @@ class EngineCore:
             output.first_token_time = request.first_token_time
             output.last_token_time = request.last_token_time
         return list(outputs.values())
+
+    def check_health(self) -> None:
+        """Raise if a rank of the executor is gone."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler

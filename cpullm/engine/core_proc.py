@@ -23,12 +23,10 @@ dies with its parent (PR_SET_PDEATHSIG, and a check of the parent's pid when idl
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import shutil
 import signal
-import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -40,6 +38,7 @@ from cpullm.engine.core import EngineCore, EngineCoreOutput, EngineCoreRequest, 
 from cpullm.engine.sched_output import LogprobsLists
 from cpullm.logger import init_logger
 from cpullm.sampling_params import RequestOutputKind, SamplingParams
+from cpullm.utils import die_with_parent
 
 logger = init_logger(__name__)
 
@@ -105,22 +104,11 @@ def decode_stats(data: list[Any]) -> EngineStats:
     return EngineStats(*data)
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process when its parent dies (SIGKILL'd servers included)."""
-    if not sys.platform.startswith("linux"):
-        return
-    pr_set_pdeathsig = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-
-
 def run_engine_core(config: EngineConfig, eos_token_ids: set[int], input_address: str,
                     output_address: str, ready: Connection) -> None:
     """The engine-core process: load the model, say ready, then serve the sockets."""
     parent = os.getppid()
-    _die_with_parent()
+    die_with_parent()
     # Ctrl-C in a terminal reaches the whole process group; the front end stops this one.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     context = zmq.Context()
@@ -138,6 +126,7 @@ def run_engine_core(config: EngineConfig, eos_token_ids: set[int], input_address
     try:
         _serve(core, config.parallel.data_parallel_rank, inbox, outbox, parent)
     finally:
+        core.shutdown()
         outbox.close(linger=1000)  # a FAILED message still goes out
         inbox.close(linger=0)
         context.term()
@@ -165,13 +154,15 @@ def _serve(core: EngineCore, index: int, inbox: zmq.Socket, outbox: zmq.Socket,
                         outbox.send(pack([REJECTED, index, data[0], str(e)]))
             elif message[0] == ABORT:
                 core.finish_requests(message[1])
-        if not core.has_unfinished_requests():
-            if commands:
-                outbox.send(pack([STATS, index, encode_stats(core.stats())]))
-            elif os.getppid() != parent:
-                return  # the front end is gone
-            continue
         try:
+            if not core.has_unfinished_requests():
+                if commands:
+                    outbox.send(pack([STATS, index, encode_stats(core.stats())]))
+                elif os.getppid() != parent:
+                    return  # the front end is gone
+                else:
+                    core.check_health()  # a rank that died while idle stops it now
+                continue
             outputs = core.step()
         except Exception as e:  # the engine's state is unknown now: stop serving
             logger.exception("Engine step failed; the engine core stops")

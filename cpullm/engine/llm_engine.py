@@ -168,7 +168,8 @@ class LLMEngine:
     @property
     def model_runner(self) -> ModelRunner:
         executor = self._in_process().executor
-        assert isinstance(executor, UniProcExecutor)
+        if not isinstance(executor, UniProcExecutor):
+            raise AttributeError("the model runs in the ranks' worker processes")
         return executor.model_runner
 
     def _in_process(self) -> EngineCore:
@@ -187,9 +188,8 @@ class LLMEngine:
             self.core.executor.release_calling_thread()
 
     def shutdown(self) -> None:
-        """Stop the engine core's process, if it has one."""
-        if isinstance(self.core, CoreClient):
-            self.core.shutdown()
+        """Stop the engine core's process, if it has one, and the ranks' processes."""
+        self.core.shutdown()
 
     @property
     def last_step_num_tokens(self) -> int:

@@ -2,9 +2,9 @@
 
 The engine core hands each step's SchedulerOutput to an Executor and gets one
 ModelRunnerOutput back; it never calls a model runner itself. UniProcExecutor runs the one
-ModelRunner in the core's own process. Tensor- and pipeline-parallel executors (worker
-ranks, each with its share of the model and of the KV heads) implement the same three
-methods.
+ModelRunner in the core's own process; MultiprocExecutor (cpullm/executor/multiproc.py)
+the ranks of a tensor- and pipeline-parallel replica, each in a worker process with its
+share of the model and of the KV heads.
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ class Executor(Protocol):
     def release_calling_thread(self) -> None:
         """Give the calling thread its CPUs back."""
 
+    def check_health(self) -> None:
+        """Raise if a rank is gone (between steps)."""
+
+    def shutdown(self) -> None:
+        """Stop the ranks."""
+
 
 class UniProcExecutor:
     """One ModelRunner, in this process."""
@@ -41,3 +47,9 @@ class UniProcExecutor:
 
     def release_calling_thread(self) -> None:
         self.model_runner.release_calling_thread()
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass

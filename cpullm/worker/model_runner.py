@@ -17,6 +17,7 @@ import time
 import numpy as np
 import torch
 
+from cpullm import distributed
 from cpullm.config import EngineConfig
 from cpullm.engine.sched_output import (
     LogprobsLists,
@@ -74,16 +75,22 @@ def _reserve(tensors: list[torch.Tensor]) -> None:
 
 
 class ModelRunner:
+    """One rank's model runner: under tensor and pipeline parallelism (a worker process,
+    cpullm/executor/multiproc.py) it holds its rank's share of the model and of the KV
+    heads, and the first rank of the last stage samples."""
+
     def __init__(self, config: EngineConfig, eos_token_ids: set[int]) -> None:
         self.config = config
         tune_malloc()
         model_config = config.model
+        self.layout = distributed.layout()
         self.block_size = config.cache.block_size
         self.sliding_window = model_config.sliding_window
         binding = self._binding()
         if binding is not None:  # weights and KV cache on the NUMA node of the compute threads
             prefer_local_memory(*binding)
-        shape = (2, config.cache.num_blocks, self.block_size, model_config.num_kv_heads,
+        shape = (2, config.cache.num_blocks, self.block_size,
+                 model_config.kv_heads_per_rank(self.layout.tp_size),
                  model_config.head_dim)  # per layer
         self.kv_caches = [_kv_cache_tensor(shape, model_config.dtype)
                           for _ in range(model_config.num_layers)]
@@ -108,7 +115,7 @@ class ModelRunner:
         parallel = self.config.parallel
         if parallel.binding.mode == "nobind" or parallel.topology is None:
             return None
-        return parallel.topology, list(parallel.binding.rank_cpus[0])
+        return parallel.topology, list(parallel.binding.rank_cpus[self.layout.rank])
 
     def bind_threads(self) -> None:
         """Pin the compute threads of the calling thread, the one that runs the model
@@ -158,7 +165,12 @@ class ModelRunner:
             logits_index.extend(flat_index)
         if not logits_index:
             return output
-        logits = self.model.compute_logits(hidden[logits_index]).float()  # [rows, vocab]
+        logits = self.model.compute_logits(hidden[logits_index])
+        if self.layout.tp_size > 1:  # every rank computed its slice of the vocabulary
+            logits = self.model.lm_head.gather_logits(logits)
+            if logits is None:
+                return output  # the first rank samples
+        logits = logits.float()  # [rows, vocab]
 
         if rows:
             sampled = [items[i] for i in rows]

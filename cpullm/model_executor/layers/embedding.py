@@ -4,33 +4,45 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpullm import distributed
 from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import QuantizationConfig
 from cpullm.model_executor.layers.quantization.dense import PackedGemm
 from cpullm.model_executor.layers.quantization.gguf import RawBlocks
 from cpullm.model_executor.layers.quantization.kept import QuantizedWeight
+from cpullm.utils import cdiv
 
 
 class VocabEmbedding(nn.Module):
     """Token embedding table [vocab_size, hidden_size]; also the LM head when tied.
 
     With a quantization config, a checkpoint's block-quantized table stays quantized
-    (``quantized``): a lookup dequantizes only the rows it reads."""
+    (``quantized``): a lookup dequantizes only the rows it reads. Under tensor parallelism
+    each rank holds ``rows`` consecutive tokens of the vocabulary (the last rank fewer
+    where it does not divide), looks up those of its tokens that fall in them, and the
+    ranks sum their lookups."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None,
                  quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype),
-                                   requires_grad=False)
+        ranks = distributed.tp_size()
+        self.rows = cdiv(vocab_size, ranks)
+        self.vocab_start = min(vocab_size, distributed.tp_rank() * self.rows)
+        self.vocab_end = min(vocab_size, self.vocab_start + self.rows)
+        self.weight = nn.Parameter(
+            torch.empty(self.vocab_end - self.vocab_start, hidden_size, dtype=dtype),
+            requires_grad=False)
         self.quantized: QuantizedWeight | None = None
-        if quant_config is not None:
+        if quant_config is not None or ranks > 1:
             self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | RawBlocks,
                       shard_id: str | int | None = None) -> None:
-        if tuple(loaded.shape) != tuple(param.shape):
-            raise ValueError(f"checkpoint {tuple(loaded.shape)}, model {tuple(param.shape)}")
+        if tuple(loaded.shape) != (self.vocab_size, self.hidden_size):
+            raise ValueError(f"checkpoint {tuple(loaded.shape)}, model "
+                             f"{(self.vocab_size, self.hidden_size)}")
+        loaded = loaded.narrow(0, self.vocab_start, self.vocab_end - self.vocab_start)
         if isinstance(loaded, RawBlocks):
             self.quantized = loaded.to_weight()
             param.data = torch.empty(0, dtype=param.dtype)  # shared with a tied LM head
@@ -45,9 +57,19 @@ class VocabEmbedding(nn.Module):
             self.quantized = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        split = self.rows < self.vocab_size
+        if split:  # this rank's tokens only; the others' rows come out zero
+            input_ids = input_ids - self.vocab_start
+            outside = (input_ids < 0) | (input_ids >= self.vocab_end - self.vocab_start)
+            input_ids = input_ids.masked_fill(outside, 0)
         if self.quantized is not None:
-            return self.quantized.dequantize(self.weight.dtype, input_ids)
-        return F.embedding(input_ids, self.weight)
+            out = self.quantized.dequantize(self.weight.dtype, input_ids)
+        else:
+            out = F.embedding(input_ids, self.weight)
+        if split:
+            out.masked_fill_(outside[:, None], 0)
+            distributed.tp_all_reduce(out)
+        return out
 
 
 class LMHead(VocabEmbedding):
@@ -83,8 +105,20 @@ class LMHead(VocabEmbedding):
         return self.gemm.describe() if self.gemm is not None else "ATen linear"
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab_size]; under tensor parallelism this rank's ``rows`` tokens
+        of the vocabulary (zeros past its end), which ``gather_logits`` puts together."""
         if self.quantized is not None:
-            return self.quantized.matmul(hidden, None, self.ops)
-        if self.gemm is not None:
-            return self.gemm(hidden)
-        return F.linear(hidden, self.weight)
+            logits = self.quantized.matmul(hidden, None, self.ops)
+        elif self.gemm is not None:
+            logits = self.gemm(hidden)
+        else:
+            logits = F.linear(hidden, self.weight)
+        if logits.shape[-1] < self.rows:  # the last rank's short slice, to gather evenly
+            logits = F.pad(logits, (0, self.rows - logits.shape[-1]))
+        return logits
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The whole vocabulary's logits from every rank's ``compute_logits``, on the first
+        tensor-parallel rank of the stage; None on the others."""
+        whole = distributed.tp_gather(logits)
+        return None if whole is None else whole[..., :self.vocab_size]

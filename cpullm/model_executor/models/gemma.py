@@ -23,7 +23,7 @@ from torch import nn
 
 from cpullm.model_executor.layers.attention import AttentionMetadata
 from cpullm.model_executor.layers.embedding import LMHead, VocabEmbedding
-from cpullm.model_executor.layers.linear import MergedColumnLinear, ReplicatedLinear
+from cpullm.model_executor.layers.linear import MergedColumnLinear, RowParallelLinear
 from cpullm.model_executor.layers.norm import RMSNorm
 from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import QuantizationConfig
@@ -57,8 +57,8 @@ class GemmaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate_size] * 2,
                                                dtype=dtype, quant_config=quant_config)
-        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, dtype=dtype,
-                                          quant_config=quant_config)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, dtype=dtype,
+                                           quant_config=quant_config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

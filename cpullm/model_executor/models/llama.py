@@ -19,7 +19,7 @@ from torch import nn
 
 from cpullm.model_executor.layers.attention import AttentionMetadata, PagedAttention
 from cpullm.model_executor.layers.embedding import LMHead, VocabEmbedding
-from cpullm.model_executor.layers.linear import GateUpSiluLinear, QKVLinear, ReplicatedLinear
+from cpullm.model_executor.layers.linear import GateUpSiluLinear, QKVLinear, RowParallelLinear
 from cpullm.model_executor.layers.norm import RMSNorm
 from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import QuantizationConfig
@@ -37,17 +37,16 @@ class LlamaAttention(nn.Module):
         of the head size); ``window``: this layer's own sliding window (0: none; default:
         the model's); ``norm``: the q/k norm's class; ``softcap``: the scores' soft-cap."""
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = (getattr(config, "head_dim", None)
-                         or config.hidden_size // self.num_heads)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads,
-                                  self.num_kv_heads, bias=qkv_bias, dtype=dtype,
-                                  quant_config=quant_config)
-        self.o_proj = ReplicatedLinear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype,
-                                       quant_config=quant_config)
+        num_heads = config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, num_heads,
+                                  getattr(config, "num_key_value_heads", None) or num_heads,
+                                  bias=qkv_bias, dtype=dtype, quant_config=quant_config)
+        # this rank's heads (all of them without tensor parallelism)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size,
+                                        bias=o_bias, dtype=dtype, quant_config=quant_config)
         if qk_norm:
             self.q_norm = norm(self.head_dim, config.rms_norm_eps, dtype, ops)
             self.k_norm = norm(self.head_dim, config.rms_norm_eps, dtype, ops)
@@ -74,12 +73,14 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
                  dtype: torch.dtype, ops: KernelTable | None,
-                 quant_config: QuantizationConfig | None) -> None:
+                 quant_config: QuantizationConfig | None, reduce: bool = True) -> None:
+        """``reduce``: sum the tensor-parallel ranks' partial outputs (a mixture of experts
+        sums all its experts' at once instead)."""
         super().__init__()
         self.gate_up_proj = GateUpSiluLinear(hidden_size, intermediate_size, bias, dtype, ops,
                                              quant_config)
-        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias=bias, dtype=dtype,
-                                          quant_config=quant_config)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias,
+                                           dtype=dtype, quant_config=quant_config, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))

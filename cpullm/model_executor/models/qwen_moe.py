@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpullm import distributed
 from cpullm.model_executor.layers.linear import ReplicatedLinear
 from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import QuantizationConfig
@@ -45,12 +46,15 @@ class SparseMoE(nn.Module):
         self.top_k, self.normalize, self.num_experts = top_k, normalize, num_experts
         self.gate = ReplicatedLinear(hidden_size, num_experts, dtype=dtype,
                                      quant_config=quant_config)
+        # Under tensor parallelism every rank holds its part of every expert; the partial
+        # sums of all experts (and the shared one) are summed over the ranks once.
         self.experts = nn.ModuleList(LlamaMLP(hidden_size, expert_size, False, dtype, ops,
-                                              quant_config) for _ in range(num_experts))
+                                              quant_config, reduce=False)
+                                     for _ in range(num_experts))
         self.shared_expert: LlamaMLP | None = None
         if shared_size:
             self.shared_expert = LlamaMLP(hidden_size, shared_size, False, dtype, ops,
-                                          quant_config)
+                                          quant_config, reduce=False)
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, dtype=dtype,
                                                        quant_config=quant_config)
 
@@ -82,7 +86,7 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(x).index_add_(0, tokens, out_rows)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return distributed.tp_all_reduce(out)
 
 
 class MoeDecoderLayer(LlamaDecoderLayer):

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from cpullm.model_executor.layers.quantization import LinearMethod, QuantizationConfig
-from cpullm.model_executor.layers.quantization.gguf_blocks import split_blocks
+from cpullm.model_executor.layers.quantization.gguf_blocks import block_bytes, split_blocks
 from cpullm.model_executor.layers.quantization.kept import (
     KeptLinearMethod,
     QuantizedWeight,
@@ -38,6 +38,19 @@ class RawBlocks:
     qtype: GGMLQuantizationType
     raw: np.ndarray
     shape: tuple[int, ...]
+
+    def narrow(self, dim: int, start: int, length: int) -> RawBlocks:
+        """Rows [start, start + length) (dim 0), or columns (dim 1: whole blocks only)."""
+        rows, k = self.shape
+        if dim == 0:
+            return RawBlocks(self.qtype, self.raw[start:start + length], (length, k))
+        weights, nbytes = block_bytes(self.qtype)
+        if start % weights or length % weights:
+            raise ValueError(f"columns {start}..{start + length} of a {self.qtype.name} tensor "
+                             f"do not fall on its blocks of {weights}")
+        raw = np.ascontiguousarray(
+            self.raw[:, start // weights * nbytes:(start + length) // weights * nbytes])
+        return RawBlocks(self.qtype, raw, (rows, length))
 
     def to_weight(self) -> QuantizedWeight:
         """The blocks taken apart into the kernels' layout."""
@@ -67,8 +80,9 @@ class GGUFLinearMethod(KeptLinearMethod):
 
     def load(self, layer: LinearBase, loaded: RawBlocks | torch.Tensor,
              shard_id: str | int | None) -> None:
-        start, end = self.check_shape(layer, shard_id, tuple(loaded.shape))
-        if isinstance(loaded, RawBlocks):
-            layer.shards[start] = Shard(end, loaded.to_weight())
-        else:
-            layer.shards[start] = Shard(end, loaded.to(layer.compute_dtype))
+        for shard, part in layer.rank_parts(loaded, shard_id):
+            start, end = self.check_shape(layer, shard, tuple(part.shape))
+            if isinstance(part, RawBlocks):
+                layer.shards[start] = Shard(end, part.to_weight())
+            else:
+                layer.shards[start] = Shard(end, part.to(layer.compute_dtype).contiguous())

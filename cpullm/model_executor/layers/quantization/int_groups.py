@@ -97,6 +97,29 @@ class IntGroups:
             raise ValueError(f"zero points {tuple(self.zeros.shape)} do not match scales "
                              f"{tuple(self.scales.shape)}")
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)  # type: ignore[return-value]
+
+    def narrow(self, dim: int, start: int, length: int) -> IntGroups:
+        """Rows [start, start + length) (dim 0), or columns (dim 1: whole groups only)."""
+        if dim == 0:
+            end = start + length
+            return IntGroups(self.q[start:end], self.scales[start:end],
+                             None if self.zeros is None else self.zeros[start:end], self.bits,
+                             self.group_size, self.perm)
+        if self.perm is not None:
+            raise ValueError("act order (desc_act) weights split by input columns are not "
+                             "supported")
+        if start % self.group_size or length % self.group_size:
+            raise ValueError(f"columns {start}..{start + length} do not fall on the groups of "
+                             f"{self.group_size}")
+        groups = slice(start // self.group_size, (start + length) // self.group_size)
+        return IntGroups(self.q[:, start:start + length].contiguous(),
+                         self.scales[:, groups].contiguous(),
+                         None if self.zeros is None else self.zeros[:, groups].contiguous(),
+                         self.bits, self.group_size)
+
     def zero_points(self) -> torch.Tensor:
         if self.zeros is not None:
             return self.zeros.to(torch.int32)
@@ -201,32 +224,29 @@ class GroupedLinearMethod(KeptLinearMethod):
             missing = sorted(map(str, expected - set(layer.pending)))
             raise ValueError(f"the checkpoint lacks the weights of shards {missing}")
         for shard_id, tensors in layer.pending.items():
-            start, end = layer.shard_range(shard_id)
-            rows, k = end - start, layer.input_size
             if not self.scheme.is_quantized(tensors):
                 weight = tensors.get("weight")
                 if weight is None or not weight.is_floating_point():
                     raise ValueError(f"shard {shard_id!r} has neither a float weight nor the "
                                      f"tensors of {self.scheme.origin} "
                                      f"(it has {sorted(tensors)})")
-                self.check_shape(layer, shard_id, tuple(weight.shape))
-                layer.shards[start] = Shard(end, weight.to(layer.compute_dtype))
-                continue
-            try:
-                groups = self.scheme.unpack(tensors, rows, k)
-            except (ValueError, RuntimeError) as e:
-                raise ValueError(f"shard {shard_id!r}: {e}") from None
-            if isinstance(groups, torch.Tensor):
-                self.check_shape(layer, shard_id, tuple(groups.shape))
-                layer.shards[start] = Shard(end, groups.to(layer.compute_dtype))
-                continue
-            self.check_shape(layer, shard_id, tuple(groups.q.shape))
-            weight = groups.to_weight(self.scheme.qtype(groups), self.scheme.origin) \
-                if kept else None
-            if weight is None:
-                layer.shards[start] = Shard(end, groups.dequantize().to(layer.compute_dtype))
+                loaded: IntGroups | torch.Tensor = weight
             else:
-                layer.shards[start] = Shard(end, weight, groups.perm)
+                try:  # the whole checkpoint tensor, then this rank's part of it
+                    loaded = self.scheme.unpack(tensors, *layer.checkpoint_shape(shard_id))
+                except (ValueError, RuntimeError) as e:
+                    raise ValueError(f"shard {shard_id!r}: {e}") from None
+            for shard, part in layer.rank_parts(loaded, shard_id):
+                start, end = self.check_shape(layer, shard, tuple(part.shape))
+                if isinstance(part, torch.Tensor):
+                    layer.shards[start] = Shard(end, part.to(layer.compute_dtype).contiguous())
+                    continue
+                weight = part.to_weight(self.scheme.qtype(part), self.scheme.origin) \
+                    if kept else None
+                if weight is None:
+                    layer.shards[start] = Shard(end, part.dequantize().to(layer.compute_dtype))
+                else:
+                    layer.shards[start] = Shard(end, weight, part.perm)
         layer.pending = {}
         for name in ("weight", *self.scheme.tensors):
             delattr(layer, name)
