@@ -1,5 +1,6 @@
-"""Tensor parallelism: ranks in worker processes give the greedy float32 tokens of one rank
-(transformers' tokens), for every architecture, quantized layers included."""
+"""Tensor and pipeline parallelism: ranks in worker processes give the greedy float32 tokens
+of one rank (transformers' tokens), for every architecture, quantized layers included, with
+several steps in flight under pipeline parallelism."""
 
 from __future__ import annotations
 
@@ -35,24 +36,97 @@ def generate(model: str, prompts: list[list[int]], params: SamplingParams = GREE
         llm.llm_engine.shutdown()
 
 
+SIZES = {"tp2": dict(tensor_parallel_size=2), "pp2": dict(pipeline_parallel_size=2)}
+
+
+@pytest.mark.parametrize("sizes", list(SIZES))
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
-def test_tensor_parallel_matches_transformers(arch, tiny_model):
+def test_parallel_matches_transformers(arch, sizes, tiny_model):
     model = tiny_model(arch)
     from transformers import AutoConfig
 
     prompts = make_prompts(AutoConfig.from_pretrained(model).vocab_size)
-    got = generate(str(model), prompts, tensor_parallel_size=2)
+    got = generate(str(model), prompts, **SIZES[sizes])
     assert [o.token_ids for o in got] == hf_greedy(model, prompts, NUM_NEW_TOKENS)
 
 
-@pytest.mark.parametrize("variant", [dict(max_num_batched_tokens=7),
-                                     dict(kv_cache_memory_bytes=8 * 32 * 256, max_model_len=256)],
-                         ids=["chunked-prefill-7", "preemption"])
-def test_tensor_parallel_with_chunks_and_preemption(variant, tiny_model):
+# preemption: 6 blocks of 32 tokens (the sequences grow to 9) on each rank, which holds half
+# of a token's K and V (one of the 2 KV heads, or one of the 2 layers, of 16 float32 dims)
+VARIANTS = {"chunked-prefill-7": dict(max_num_batched_tokens=7),
+            "preemption": dict(kv_cache_memory_bytes=6 * 32 * 256, max_model_len=192)}
+
+
+@pytest.mark.parametrize("sizes", list(SIZES))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_parallel_with_chunks_and_preemption(variant, sizes, tiny_model):
     model = tiny_model("llama")
     prompts = make_prompts(49152)
-    got = generate(str(model), prompts, tensor_parallel_size=2, **variant)
+    llm = LLM(str(model), dtype="float32", block_size=32, **SIZES[sizes], **VARIANTS[variant])
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == hf_greedy(model, prompts, 32)
+        if variant == "preemption":
+            assert llm.llm_engine.core.scheduler.num_preemptions > 0
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_tensor_times_pipeline_parallel(tiny_model, monkeypatch):
+    """Two stages of two tensor-parallel ranks each."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # four ranks on two cores
+    model = tiny_model("qwen3")
+    prompts = make_prompts(49152)[:3]
+    got = generate(str(model), prompts, tensor_parallel_size=2, pipeline_parallel_size=2)
     assert [o.token_ids for o in got] == hf_greedy(model, prompts, NUM_NEW_TOKENS)
+
+
+def test_default_model_in_two_stages():
+    """The default model (a Q4_1 GGUF file, 30 layers, 9 heads: no tensor parallelism) in
+    two pipeline stages of 15 layers: float32, the tokens of one stage."""
+    prompts = [[1, 2, 3, 4, 5], list(range(200, 260))]
+    one = generate(None, prompts, max_model_len=512)
+    two = generate(None, prompts, max_model_len=512, pipeline_parallel_size=2)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+
+
+def test_pipeline_keeps_steps_in_flight_and_survives_aborts(tiny_model):
+    """With two stages the engine has two steps in flight, of disjoint requests; a request
+    aborted while its step is in flight is dropped when the step returns, its blocks
+    freed, and the others finish with their tokens."""
+    from cpullm.engine.llm_engine import LLMEngine
+    from cpullm.engine_args import EngineArgs
+
+    model = tiny_model("llama")
+    prompts = make_prompts(49152)
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(model), dtype="float32", block_size=32, pipeline_parallel_size=2,
+        max_num_batched_tokens=25))  # prompts 0-1 and a chunk of 2, then a chunk of 3
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
+        core = engine.core
+        engine.step()  # two steps submitted, the first collected
+        assert len(core._in_flight) == 1
+        assert core.scheduler.in_flight == {"3"} == {
+            r.request_id for r in core._in_flight[0].scheduled}
+        victim = "3"
+        engine.abort_request(victim)
+        finished = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output.outputs[0].token_ids
+        while core.has_unfinished_requests():  # the aborted request's step, if still out
+            core.step()
+        kv = core.scheduler.kv_cache_manager
+        assert kv.num_free_blocks == kv.pool.num_blocks and not core.scheduler.in_flight
+        expected = hf_greedy(model, prompts, NUM_NEW_TOKENS)
+        assert set(finished) == {str(i) for i in range(len(prompts))} - {victim}
+        for request_id, tokens in finished.items():
+            assert tokens == expected[int(request_id)]
+    finally:
+        engine.shutdown()
 
 
 def test_fewer_kv_heads_than_ranks(tiny_model, monkeypatch):
@@ -111,3 +185,58 @@ def test_gguf_blocks_split_over_ranks(mixed_gguf):  # noqa: F811
     two = generate(str(mixed_gguf), prompts, params, dtype="bfloat16", tensor_parallel_size=2,
                    **kwargs)
     assert_greedy_follows(one, two)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for its parent is gone too
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_tensor_parallel_server_and_a_dead_rank(tiny_model):
+    """TP=2 behind the real server answers the official client with transformers' greedy
+    tokens. SIGKILL of one rank: within 10 s /health fails and requests get a 5xx, and
+    no rank process is left."""
+    import re
+    import signal
+    import time
+
+    import httpx
+    import openai
+    from server_utils import RemoteServer
+
+    model = tiny_model("llama")
+    prompt = make_prompts(49152)[2]
+    server = RemoteServer([str(model), "--dtype", "float32", "--block-size", "32",
+                           "--max-model-len", "512", "-tp", "2"])
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        completion = client.completions.create(model=str(model), prompt=prompt, max_tokens=16,
+                                               temperature=0, logprobs=0)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        expected = hf_greedy(model, [prompt], 16)[0]
+        assert completion.choices[0].text == tokenizer.decode(expected)
+        pids = {int(rank): int(pid) for rank, pid in
+                re.findall(r"(\d+) \(pid (\d+)\)", server.log().split("Started ranks", 1)[1]
+                           .splitlines()[0])}
+        assert sorted(pids) == [0, 1] and all(_alive(p) for p in pids.values())
+        os.kill(pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
+            assert time.monotonic() < deadline, "/health still passes 10 s after the kill"
+            time.sleep(0.2)
+        health = httpx.get(f"{server.url}/health", timeout=5)
+        assert health.status_code >= 500 and "rank 1" in health.text
+        response = httpx.post(f"{server.url}/v1/completions", timeout=10,
+                              json={"prompt": "hi", "max_tokens": 3})
+        assert response.status_code >= 500
+        while any(_alive(p) for p in pids.values()):
+            assert time.monotonic() < deadline + 5, "a rank process outlived the engine"
+            time.sleep(0.2)
+    finally:
+        server.stop()

@@ -11,13 +11,14 @@ Plain values only, so that both travel between processes as they are.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from cpullm.config import EngineConfig
 from cpullm.engine.request import Request, RequestStatus
-from cpullm.engine.sched_output import LogprobsLists
+from cpullm.engine.sched_output import LogprobsLists, SchedulerOutput
 from cpullm.engine.scheduler import Scheduler
 from cpullm.executor import Executor, create_executor
 from cpullm.sampling_params import SamplingParams
@@ -75,6 +76,9 @@ class EngineCore:
         torch.manual_seed(config.model.seed)
         self.scheduler = Scheduler(config.scheduler, config.cache)
         self.executor: Executor = create_executor(config, eos_token_ids)
+        # steps in flight at once: one per pipeline stage
+        self.pipeline_depth = config.parallel.pipeline_parallel_size
+        self._in_flight: deque[SchedulerOutput] = deque()
         self.last_step_num_tokens = 0  # prompt and output tokens computed by the last step
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -91,18 +95,36 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or steps in flight (whose requests may have been aborted)."""
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def step(self) -> list[EngineCoreOutput]:
         scheduler = self.scheduler
-        # 1. Schedule.
-        scheduler_output = scheduler.schedule()
+        if self.pipeline_depth == 1:
+            # 1. Schedule. 2. One forward pass and sampling.
+            scheduler_output = scheduler.schedule()
+            runner_output = self.executor.execute_model(scheduler_output)
+        else:
+            # Pipeline parallelism: keep a step in flight per stage while there are
+            # requests no step in flight holds, then wait for the oldest.
+            while len(self._in_flight) < self.pipeline_depth:
+                scheduler_output = scheduler.schedule()
+                if not scheduler_output.scheduled:
+                    scheduler.finished_request_ids |= scheduler_output.finished_request_ids
+                    break
+                self.executor.submit(scheduler_output)
+                self._in_flight.append(scheduler_output)
+            if not self._in_flight:
+                self.last_step_num_tokens = 0
+                return []
+            scheduler_output = self._in_flight.popleft()
+            runner_output = self.executor.collect()
         self.last_step_num_tokens = scheduler_output.num_scheduled_tokens
-        # 2. One forward pass and sampling.
-        runner_output = self.executor.execute_model(scheduler_output)
         # 3. Prompt logprobs belong to positions from num_computed_tokens, before the update.
         outputs: dict[str, EngineCoreOutput] = {}
         for request_id, rows in runner_output.prompt_logprobs.items():
+            if request_id not in scheduler.requests:
+                continue  # aborted while its step was in flight
             start = scheduler.requests[request_id].num_computed_tokens
             outputs[request_id] = EngineCoreOutput(request_id, [], prompt_logprobs=rows,
                                                    prompt_logprobs_start=start)

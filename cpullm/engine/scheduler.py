@@ -7,6 +7,10 @@ budgets last. A long prompt simply takes several steps (chunked prefill), and de
 prompt chunks share a step. When a running request cannot get a KV block, the newest
 running request is preempted: its blocks are freed and it is recomputed later from its
 prompt and output so far, which gives the same tokens as an uninterrupted run.
+
+Under pipeline parallelism several steps are in flight at once (one per stage): a request
+scheduled in one is not scheduled again, nor preempted, until that step's output returns
+(``in_flight``), so the next steps take the other requests.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.finished_request_ids: set[str] = set()
+        self.in_flight: set[str] = set()  # scheduled in a step whose output is not back yet
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
@@ -47,9 +52,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.request_id in self.in_flight:
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv_cache_manager.allocate_slots(request, num_new):
-                victim = self.running.pop()
+                victim = self._newest_idle(i)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -83,7 +92,14 @@ class Scheduler:
             num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_request_ids=self.finished_request_ids)
         self.finished_request_ids = set()
+        self.in_flight.update(request.request_id for request, _ in scheduled)
         return output
+
+    def _newest_idle(self, first: int) -> Request:
+        """The newest running request from index ``first`` on that no step in flight
+        holds (request ``first`` itself at the latest)."""
+        return next(r for r in reversed(self.running[first:])
+                    if r.request_id not in self.in_flight)
 
     @staticmethod
     def _describe(request: Request, num_new: int) -> ScheduledRequest:
@@ -111,7 +127,10 @@ class Scheduler:
         got a new token. Requests that finished are freed."""
         updated = []
         for item in output.scheduled:
-            request = self.requests[item.request_id]
+            self.in_flight.discard(item.request_id)
+            request = self.requests.get(item.request_id)
+            if request is None:
+                continue  # finished (aborted) while its step was in flight
             before = request.num_computed_tokens
             request.num_computed_tokens = before + len(item.token_ids)
             self.kv_cache_manager.cache_computed_blocks(request, before)

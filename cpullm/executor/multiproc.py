@@ -89,6 +89,8 @@ class MultiprocExecutor:
             for rank in range(self.world_size)}
         for process in self.workers.values():
             process.start()
+        logger.info("Started ranks %s", ", ".join(f"{rank} (pid {process.pid})"
+                                                  for rank, process in self.workers.items()))
         try:
             self._wait_ready()
         except BaseException:
@@ -130,15 +132,26 @@ class MultiprocExecutor:
                                  f"{process.exitcode}{when}")
 
     def check_health(self) -> None:
-        """Raise RankFailed if a rank is gone."""
+        """Between steps (none in flight): raise RankFailed if a rank is gone."""
         self._check_alive()
-        if self._output.poll(0):  # an error a rank sent between steps
-            self._raise(pickle.loads(self._output.recv()))
+        if self._output.poll(0):  # only an error can come between steps
+            message = pickle.loads(self._output.recv())
+            if message[0] == "error":
+                self._raise(message)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(scheduler_output)
+        return self.collect()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Send a step to every rank, without waiting (pipeline parallelism keeps one in
+        flight per stage)."""
         data = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
         for sender in self._inputs:
             sender.send(data, copy=False)
+
+    def collect(self) -> ModelRunnerOutput:
+        """The result of the oldest step submitted and not yet collected."""
         while not self._output.poll(_POLL_MS):
             self._check_alive()
         message = pickle.loads(self._output.recv())

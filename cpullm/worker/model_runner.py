@@ -92,8 +92,8 @@ class ModelRunner:
         shape = (2, config.cache.num_blocks, self.block_size,
                  model_config.kv_heads_per_rank(self.layout.tp_size),
                  model_config.head_dim)  # per layer
-        self.kv_caches = [_kv_cache_tensor(shape, model_config.dtype)
-                          for _ in range(model_config.num_layers)]
+        self.kv_caches = [_kv_cache_tensor(shape, model_config.dtype)  # this stage's layers
+                          for _ in self.layout.stage_layers(model_config.num_layers)]
         # Where the host backs a VM's memory page by page, reserving takes seconds.
         reserving = threading.Thread(target=_reserve, args=(self.kv_caches,), name="kv-reserve",
                                      daemon=True)
@@ -155,7 +155,17 @@ class ModelRunner:
         # Single-token requests first: attention runs them on its decode path.
         items = sorted(scheduler_output.scheduled, key=lambda r: len(r.token_ids) > 1)
         input_ids, positions, meta, query_ends = self._prepare_inputs(items)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        layout = self.layout
+        intermediate = None
+        if not layout.is_first_stage:  # the previous stage's hidden states and residual
+            shape = (len(input_ids), self.config.model.hf_config.hidden_size)
+            hidden, residual = distributed.recv_from_previous_stage([shape, shape],
+                                                                    self.config.model.dtype)
+            intermediate = (hidden, residual)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, intermediate)
+        if not layout.is_last_stage:
+            distributed.send_to_next_stage(list(hidden))
+            return ModelRunnerOutput()
 
         output = ModelRunnerOutput()
         rows = [i for i, item in enumerate(items) if item.sample]

@@ -15,6 +15,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from cpullm.model_executor.layers.stage import skipped_prefixes
+
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -30,9 +32,11 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
             if f".{merged}." in name:
                 expected[name] = {s for m, s in stacked_params.values() if m == merged}
     loaded: dict[str, set[str | int | None]] = {name: set() for name in params}
+    other_stages = skipped_prefixes(model)  # pipeline parallelism: other stages' modules
 
     for ckpt_name, tensor in weights:
-        if ckpt_name in skip or ckpt_name.endswith(_IGNORED_SUFFIXES):
+        if ckpt_name in skip or ckpt_name.endswith(_IGNORED_SUFFIXES) \
+                or ckpt_name.startswith(other_stages):
             continue
         name, shard = ckpt_name, None
         for part, (merged, shard_id) in stacked_params.items():

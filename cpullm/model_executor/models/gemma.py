@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpullm import distributed
 from cpullm.model_executor.layers.attention import AttentionMetadata
 from cpullm.model_executor.layers.embedding import LMHead, VocabEmbedding
 from cpullm.model_executor.layers.linear import MergedColumnLinear, RowParallelLinear
@@ -28,6 +29,12 @@ from cpullm.model_executor.layers.norm import RMSNorm
 from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import QuantizationConfig
 from cpullm.model_executor.layers.rotary import RotaryEmbedding
+from cpullm.model_executor.layers.stage import (
+    build_layers,
+    first_stage_only,
+    last_stage_only,
+    run_layers,
+)
 from cpullm.model_executor.loader.weights import load_named_weights
 from cpullm.model_executor.models.llama import (
     LlamaAttention,
@@ -117,21 +124,30 @@ class GemmaModel(nn.Module):
                   for kind in dict.fromkeys(kinds)}
         windows = {kind: (window if kind == "sliding_attention" else 0) if version >= 2
                    else None for kind in kinds}
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype,
-                                           quant_config)
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, rotary[kind], windows[kind], version, dtype, ops,
-                              quant_config) for kind in kinds)
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
+        # the LM head is tied to the table: the last pipeline stage holds it too
+        self.embed_tokens = first_stage_only(
+            lambda: VocabEmbedding(config.vocab_size, config.hidden_size, dtype, quant_config),
+            also_last=True)
+        self.layers = build_layers(len(kinds), lambda i: GemmaDecoderLayer(
+            config, rotary[kinds[i]], windows[kinds[i]], version, dtype, ops, quant_config))
+        self.norm = last_stage_only(
+            lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        # the scale rounded as transformers rounds it: to float32, then the compute dtype
-        hidden = hidden * torch.tensor(self.hidden_size ** 0.5).to(hidden.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As LlamaModel's: (hidden, residual) on a stage before the last."""
+        if intermediate is None:
+            hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+            # the scale rounded as transformers rounds it: to float32, then the compute dtype
+            hidden = hidden * torch.tensor(self.hidden_size ** 0.5).to(hidden.dtype)
+            residual = None
+        else:
+            hidden, residual = intermediate
+        hidden, residual = run_layers(self.layers, positions, hidden, residual, kv_caches, meta)
+        if not distributed.layout().is_last_stage:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -149,13 +165,17 @@ class GemmaForCausalLM(nn.Module):
             raise ValueError(f"hidden activation {act!r} is not supported (gelu_pytorch_tanh)")
         self.config = config
         self.model = GemmaModel(config, max_position, self.version, dtype, ops, quant_config)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, quant_config)
-        self.lm_head.tie(self.model.embed_tokens)
+        self.lm_head = last_stage_only(
+            lambda: LMHead(config.vocab_size, config.hidden_size, dtype, quant_config))
+        if isinstance(self.lm_head, LMHead):
+            self.lm_head.tie(self.model.embed_tokens)
         self.softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.model(input_ids, positions, kv_caches, meta, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden)

@@ -22,6 +22,7 @@ from cpullm.model_executor.layers.norm import RMSNorm
 from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import QuantizationConfig
 from cpullm.model_executor.layers.rotary import RotaryEmbedding
+from cpullm.model_executor.layers.stage import stage_layers
 from cpullm.model_executor.loader.weights import load_named_weights
 from cpullm.model_executor.models.llama import (
     LlamaDecoderLayer,
@@ -49,7 +50,8 @@ class GlmForCausalLM(LlamaForCausalLM):
         config = self.config
         head_dim = (getattr(config, "head_dim", None)
                     or config.hidden_size // config.num_attention_heads)
-        rotary_dim = self.model.layers[0].self_attn.rotary.rotary_dim
+        first = stage_layers(config.num_hidden_layers)[0]  # this stage's first layer
+        rotary_dim = self.model.layers[first].self_attn.rotary.rotary_dim
         order = rotate_half_order(head_dim, rotary_dim)
 
         def reorder(name: str, tensor: torch.Tensor) -> torch.Tensor:

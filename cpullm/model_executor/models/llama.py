@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cpullm import distributed
 from cpullm.model_executor.layers.attention import AttentionMetadata, PagedAttention
 from cpullm.model_executor.layers.embedding import LMHead, VocabEmbedding
 from cpullm.model_executor.layers.linear import GateUpSiluLinear, QKVLinear, RowParallelLinear
@@ -24,6 +25,12 @@ from cpullm.model_executor.layers.norm import RMSNorm
 from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import QuantizationConfig
 from cpullm.model_executor.layers.rotary import RotaryEmbedding
+from cpullm.model_executor.layers.stage import (
+    build_layers,
+    first_stage_only,
+    last_stage_only,
+    run_layers,
+)
 from cpullm.model_executor.loader.weights import load_named_weights
 
 
@@ -137,21 +144,33 @@ class LlamaModel(nn.Module):
         head_dim = (getattr(config, "head_dim", None)
                     or config.hidden_size // config.num_attention_heads)
         rotary = RotaryEmbedding(config, head_dim, max_position, ops)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype,
-                                           quant_config)
-        self.layers = nn.ModuleList(layer_cls(config, rotary, flags, dtype, ops, quant_config, i)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
+        # Under pipeline parallelism, this stage's part (layers/stage.py): the table on the
+        # first stage, and on the last where the LM head is tied to it.
+        self.embed_tokens = first_stage_only(
+            lambda: VocabEmbedding(config.vocab_size, config.hidden_size, dtype, quant_config),
+            also_last=bool(getattr(config, "tie_word_embeddings", False)))
+        self.layers = build_layers(config.num_hidden_layers, lambda i: layer_cls(
+            config, rotary, flags, dtype, ops, quant_config, i))
+        self.norm = last_stage_only(
+            lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops))
         self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        if self.embedding_multiplier != 1.0:
-            hidden = hidden * self.embedding_multiplier
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states; on a pipeline stage before the last, (hidden,
+        residual) for the next stage, which passes them as ``intermediate``."""
+        if intermediate is None:
+            hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+            if self.embedding_multiplier != 1.0:
+                hidden = hidden * self.embedding_multiplier
+            residual = None
+        else:
+            hidden, residual = intermediate
+        hidden, residual = run_layers(self.layers, positions, hidden, residual, kv_caches, meta)
+        if not distributed.layout().is_last_stage:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -178,15 +197,18 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, max_position, self.layer_flags(config), dtype, ops,
                                 quant_config, self.decoder_layer)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, quant_config)
+        self.lm_head = last_stage_only(
+            lambda: LMHead(config.vocab_size, config.hidden_size, dtype, quant_config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and isinstance(self.lm_head, LMHead):
             self.lm_head.tie(self.model.embed_tokens)
         self.logits_scaling = float(getattr(config, "logits_scaling", 1.0))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.model(input_ids, positions, kv_caches, meta, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden)

@@ -1,0 +1,66 @@
+"""Pipeline stages: the part of a model one stage holds.
+
+Under pipeline parallelism (cpullm/distributed.py) stage s holds a contiguous run of the
+decoder layers; the first stage also the embedding table, the last the final norm and the
+LM head (and the embedding table, where the head is tied to it). The modules a stage does
+not hold are ``OtherStage`` placeholders: no parameters, and the loader skips the
+checkpoint tensors under them. Layer indices stay the model's, so checkpoint names match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from cpullm import distributed
+
+
+class OtherStage(nn.Module):
+    """A module another pipeline stage holds."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("this module belongs to another pipeline stage")
+
+
+def stage_layers(num_layers: int) -> range:
+    """The decoder layers this rank's stage holds."""
+    return distributed.layout().stage_layers(num_layers)
+
+
+def build_layers(num_layers: int, make: Callable[[int], nn.Module]) -> nn.ModuleList:
+    """Layer i from ``make(i)`` for the layers of this stage, placeholders for the rest."""
+    held = stage_layers(num_layers)
+    return nn.ModuleList(make(i) if i in held else OtherStage() for i in range(num_layers))
+
+
+def first_stage_only(make: Callable[[], nn.Module], also_last: bool = False) -> nn.Module:
+    """``make()`` on the first stage (and the last, with ``also_last``), else a
+    placeholder."""
+    layout = distributed.layout()
+    held = layout.is_first_stage or (also_last and layout.is_last_stage)
+    return make() if held else OtherStage()
+
+
+def last_stage_only(make: Callable[[], nn.Module]) -> nn.Module:
+    return make() if distributed.layout().is_last_stage else OtherStage()
+
+
+def run_layers(layers: nn.ModuleList, positions: torch.Tensor, hidden: torch.Tensor,
+               residual: torch.Tensor | None, kv_caches: list[torch.Tensor],
+               meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """This stage's decoder layers over (hidden, residual); ``kv_caches``: one per layer
+    of the stage."""
+    held = stage_layers(len(layers))
+    for index, kv_cache in zip(held, kv_caches, strict=True):
+        hidden, residual = layers[index](positions, hidden, residual, kv_cache, meta)
+    assert residual is not None
+    return hidden, residual
+
+
+def skipped_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """The names (with a trailing dot) of the modules another stage holds."""
+    return tuple(f"{name}." for name, module in model.named_modules()
+                 if isinstance(module, OtherStage))
