@@ -188,12 +188,36 @@ class ParallelConfig:
     # port 0: a free one.
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    # Hosts the ranks span, and this one's place (0: the one that serves). Rank r runs on
+    # host r // ranks_per_node.
+    nnodes: int = 1
+    node_rank: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                     "nnodes"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1:
+            if self.world_size % self.nnodes:
+                raise ValueError(f"{self.world_size} ranks (tensor x pipeline parallel) do "
+                                 f"not spread evenly over {self.nnodes} nodes")
+            if self.data_parallel_size > 1:
+                raise ValueError("data parallelism across nodes is not supported; run a "
+                                 "server per node")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        """The ranks of a replica that run on this host."""
+        first = self.node_rank * self.ranks_per_node
+        return range(first, first + self.ranks_per_node)
 
     @property
     def world_size(self) -> int:

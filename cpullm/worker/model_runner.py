@@ -115,7 +115,8 @@ class ModelRunner:
         parallel = self.config.parallel
         if parallel.binding.mode == "nobind" or parallel.topology is None:
             return None
-        return parallel.topology, list(parallel.binding.rank_cpus[self.layout.rank])
+        local = self.layout.rank - parallel.local_ranks.start  # this host's plan
+        return parallel.topology, list(parallel.binding.rank_cpus[local])
 
     def bind_threads(self) -> None:
         """Pin the compute threads of the calling thread, the one that runs the model

@@ -296,6 +296,15 @@ async def _respond(create: Awaitable[dict[str, Any] | AsyncIterator[str]], reque
 def run_server(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     config = EngineArgs.from_cli_args(args).create_engine_config()
+    if args.headless:  # another host serves; this one runs its ranks of the model
+        from cpullm.executor.multiproc import run_headless
+
+        if config.parallel.node_rank == 0:
+            raise SystemExit("--headless runs the ranks of a node other than 0 (--node-rank)")
+        return run_headless(config, Frontend(config).eos_token_ids)
+    if config.parallel.node_rank != 0:
+        raise SystemExit(f"--node-rank {config.parallel.node_rank}: only node 0 serves; start "
+                         "the other nodes with --headless")
     engine: ServingEngine
     if envs.VLLM_ENABLE_V1_MULTIPROCESSING is not False:
         engine = AsyncMPEngine(config, Frontend(config))

@@ -66,5 +66,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         default=False, help="log each request's parameters")
     parser.add_argument("--disable-log-requests", action="store_true",
                         help="do not log requests (older vLLM's flag; not logging is the default)")
+    parser.add_argument("--headless", action="store_true",
+                        help="serve nothing: run this node's ranks of a model that spans "
+                             "nodes (--nnodes, --node-rank > 0), for the server on node 0")
     EngineArgs.add_cli_args(parser, **SERVE_DEFAULTS)
     return parser
