@@ -306,3 +306,57 @@ def test_default_budgets_scale_with_the_ranks(tiny_model):
                               max_num_batched_tokens=99)) == (7, 99)
     served = add_serve_args(argparse.ArgumentParser()).parse_args(["--model", model, "-tp", "2"])
     assert budgets(EngineArgs.from_cli_args(served)) == (256, 1024)
+
+
+def _sum_on_rank(rank: int, port: int, queue) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from cpullm import distributed
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=30))
+    distributed.init_distributed(distributed.RankLayout(2, 1, rank), store,
+                                 datetime.timedelta(seconds=30), shared_memory=True)
+    results = {"shared": distributed._shared is not None}
+    for name, numel in (("small", 1000), ("chunked", 5_000_000)):  # 20 MB: 3 slots
+        x = torch.arange(numel, dtype=torch.float32) * (rank + 1)
+        distributed.tp_all_reduce(x)
+        results[name] = bool(torch.equal(x, torch.arange(numel, dtype=torch.float32) * 3))
+    gathered = distributed.tp_gather(torch.full((3, 4), float(rank)))
+    if rank == 0:
+        results["gather"] = gathered.tolist() == [[0.0] * 4 + [1.0] * 4] * 3
+        queue.put(results)
+    else:
+        assert gathered is None
+    distributed.shutdown_distributed()
+
+
+def test_shared_memory_all_reduce_and_gather():
+    """The shared-memory sum of two ranks, one slot and several slots' worth, and the
+    gather of the logits' slices; the segment is gone from /dev/shm once opened."""
+    import multiprocessing
+
+    from server_utils import free_port
+
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    port = free_port()
+    ranks = [context.Process(target=_sum_on_rank, args=(r, port, queue)) for r in (0, 1)]
+    for process in ranks:
+        process.start()
+    results = queue.get(timeout=60)
+    for process in ranks:
+        process.join(30)
+    assert results == {"shared": True, "small": True, "chunked": True, "gather": True}
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("cpullm-allreduce")]
+
+
+def test_tensor_parallel_through_gloo(tiny_model, monkeypatch):
+    """CPULLM_SHM_ALLREDUCE=0: the same tokens with every sum through gloo."""
+    monkeypatch.setenv("CPULLM_SHM_ALLREDUCE", "0")
+    model = tiny_model("qwen2")
+    prompts = make_prompts(49152)[:2]
+    got = generate(str(model), prompts, tensor_parallel_size=2)
+    assert [o.token_ids for o in got] == hf_greedy(model, prompts, NUM_NEW_TOKENS)

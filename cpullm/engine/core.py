@@ -22,6 +22,7 @@ from cpullm.engine.sched_output import LogprobsLists, SchedulerOutput
 from cpullm.engine.scheduler import Scheduler
 from cpullm.executor import Executor, create_executor
 from cpullm.sampling_params import SamplingParams
+from cpullm.utils import cdiv
 
 
 @dataclass(slots=True)
@@ -106,9 +107,11 @@ class EngineCore:
             runner_output = self.executor.execute_model(scheduler_output)
         else:
             # Pipeline parallelism: keep a step in flight per stage while there are
-            # requests no step in flight holds, then wait for the oldest.
+            # requests no step in flight holds, each step with an even share of the
+            # requests, then wait for the oldest.
+            share = cdiv(len(scheduler.running) + len(scheduler.waiting), self.pipeline_depth)
             while len(self._in_flight) < self.pipeline_depth:
-                scheduler_output = scheduler.schedule()
+                scheduler_output = scheduler.schedule(max_seqs=share)
                 if not scheduler_output.scheduled:
                     scheduler.finished_request_ids |= scheduler_output.finished_request_ids
                     break

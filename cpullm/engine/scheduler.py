@@ -43,14 +43,17 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
+        """``max_seqs``: at most so many requests in this step (pipeline parallelism shares
+        the requests out over the steps in flight)."""
         budget = self.config.max_num_batched_tokens
+        max_seqs = max_seqs or self.config.max_num_seqs
         scheduled: list[tuple[Request, int]] = []
         preempted = False
 
         # 1. Running requests, oldest first; preempt the newest when blocks run out.
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < max_seqs:
             request = self.running[i]
             if request.request_id in self.in_flight:
                 i += 1
@@ -70,7 +73,7 @@ class Scheduler:
 
         # 2. Waiting requests in order, unless this step already had to preempt.
         while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.config.max_num_seqs):
+               and len(self.running) < self.config.max_num_seqs and len(scheduled) < max_seqs):
             request = self.waiting[0]
             cached_blocks = self.kv_cache_manager.find_cached_prefix(request)
             num_cached = len(cached_blocks) * self.kv_cache_manager.block_size

@@ -94,6 +94,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from cpullm.benchmarks.offline import run_latency
 
         run_latency(args)
+    elif args.bench == "allreduce":
+        from cpullm.benchmarks.allreduce import run_allreduce
+
+        run_allreduce(args)
     elif args.bench == "soak":
         from cpullm.benchmarks.soak import run_soak
 
@@ -169,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="load an OpenAI-compatible server",
         description="Load an OpenAI-compatible server (cpullm's or vLLM's) with streamed "
         "requests and report TTFT, TPOT, ITL and throughput."))
+    from cpullm.benchmarks.allreduce import add_allreduce_args
+
+    add_allreduce_args(bench_sub.add_parser(
+        "allreduce", help="the cost of one tensor-parallel all-reduce, gloo and shared memory",
+        description="Time the all-reduce of a layer's hidden states over tensor-parallel "
+        "ranks on this host, through gloo and through shared memory."))
     from cpullm.benchmarks.soak import add_soak_args
 
     add_soak_args(bench_sub.add_parser(

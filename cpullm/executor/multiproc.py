@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from cpullm import distributed
+from cpullm import distributed, envs
 from cpullm.config import EngineConfig
 from cpullm.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from cpullm.logger import init_logger
@@ -263,7 +263,9 @@ def run_worker(config: EngineConfig, eos_token_ids: set[int], rank: int, host: s
         if parallel.binding.mode == "nobind" and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.world_size))
         torch.manual_seed(config.model.seed)
-        distributed.init_distributed(layout, store, TIMEOUT)
+        one_host = parallel.nnodes == 1
+        distributed.init_distributed(layout, store, TIMEOUT,
+                                     shared_memory=one_host and envs.CPULLM_SHM_ALLREDUCE)
         runner = ModelRunner(config, eos_token_ids)
         inbox.bind_to_random_port(f"tcp://{reachable_address(host)}")
         store.set(f"worker/{rank}", inbox.getsockopt_string(zmq.LAST_ENDPOINT))
