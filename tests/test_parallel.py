@@ -360,3 +360,42 @@ def test_tensor_parallel_through_gloo(tiny_model, monkeypatch):
     prompts = make_prompts(49152)[:2]
     got = generate(str(model), prompts, tensor_parallel_size=2)
     assert [o.token_ids for o in got] == hf_greedy(model, prompts, NUM_NEW_TOKENS)
+
+
+def test_data_parallel_replicas_of_tensor_parallel_ranks(tiny_model):
+    """-dp 2 -tp 2: two engine cores of two ranks each behind one server; concurrent
+    requests reach both replicas and get transformers' greedy tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+    from server_utils import RemoteServer
+    from transformers import AutoTokenizer
+
+    model = tiny_model("llama")
+    prompts = make_prompts(49152)
+    server = RemoteServer([str(model), "--dtype", "float32", "--block-size", "32",
+                           "--max-model-len", "512", "-tp", "2", "-dp", "2"],
+                          env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})  # 4 ranks, 2 cores
+    try:
+        assert server.log().count("Started ranks 0 (pid") == 2
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+
+        def complete(prompt: list[int]) -> str:
+            return client.completions.create(model=str(model), prompt=prompt, max_tokens=16,
+                                              temperature=0).choices[0].text
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            texts = list(pool.map(complete, prompts))
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        assert texts == [tokenizer.decode(t) for t in hf_greedy(model, prompts, 16)]
+        metrics = httpx_text(f"{server.url}/metrics")
+        for replica in ("0", "1"):
+            assert f'vllm:request_success_total{{engine="{replica}"' in metrics
+    finally:
+        server.stop()
+
+
+def httpx_text(url: str) -> str:
+    import httpx
+
+    return httpx.get(url, timeout=10).text
