@@ -20,6 +20,7 @@ from cpullm.model_executor.layers.quantization import (
 from cpullm.platform import CpuTopology, format_cpu_list, plan_binding, resolve_dtype
 from cpullm.transformers_utils import (
     DEFAULT_MODEL_NAME,
+    LOAD_FORMATS,
     ModelSource,
     load_hf_config,
     resolve_model,
@@ -66,6 +67,7 @@ class EngineArgs:
     chat_template: str | None = None
     enforce_eager: bool = False
     quantization: str | None = None
+    load_format: str = "auto"
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -154,6 +156,10 @@ class EngineArgs:
                             + ", ".join(QUANTIZATION_METHODS) + "); unset: found from the "
                             "checkpoint (gguf for a .gguf file, else config.json's "
                             "quantization_config)")
+        parser.add_argument("--load-format", default=d.load_format, choices=list(LOAD_FORMATS),
+                            help="what weights to load: auto (safetensors or GGUF; a folder "
+                            "of PyTorch pickle files is refused), safetensors, gguf, or pt "
+                            "(a folder's pickle files, with torch's weights-only unpickler)")
         return parser
 
     @classmethod
@@ -171,7 +177,7 @@ class EngineArgs:
                     len(topology.cpus), len(topology.nodes),
                     format_cpu_list(sorted(topology.allowed)))
         logger.info("ISA features: %s", ", ".join(topology.info.features) or "none of note")
-        source = resolve_model(self.model)
+        source = resolve_model(self.model, self.load_format)
         hf_config = load_hf_config(source)
         model_dtype = getattr(hf_config, "dtype", None)
         if isinstance(model_dtype, str):

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+MAX_N = 128  # samples per request (OpenAI's limit): each is a sequence of its own
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 
 
 class RequestOutputKind(enum.Enum):
@@ -58,7 +60,8 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"{name} {message}, got {getattr(self, name)!r}.")
 
-        check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
+        check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n",
+              f"must be an integer in [1, {MAX_N}]")
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         check(self.repetition_penalty > 0.0, "repetition_penalty", "must be greater than zero")
@@ -67,7 +70,9 @@ class SamplingParams:
         check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
               "must be -1 (disable), 0 (disable) or at least 1")
         check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
-        check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        check(self.seed is None or (isinstance(self.seed, int)
+                                    and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
+              "seed", "must be an integer in [-2^63, 2^64 - 1]")
         check(self.max_tokens is None or (isinstance(self.max_tokens, int)
                                           and self.max_tokens >= 1),
               "max_tokens", "must be at least 1")

@@ -22,12 +22,19 @@ DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+# --load-format: vLLM's names for what cpullm loads; pickle ("pt") only when asked for
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "pt")
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+
+
 @dataclass(frozen=True)
 class ModelSource:
-    """Where the weights live: a folder, and the GGUF file in it if the model is one."""
+    """Where the weights live: a folder, and the GGUF file in it if the model is one;
+    ``pickle``: the folder's weights are PyTorch pickle files (``--load-format pt``)."""
 
     directory: str
     gguf_file: str | None = None
+    pickle: bool = False
 
     @property
     def gguf_path(self) -> str | None:
@@ -44,24 +51,43 @@ def default_model_path() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], _DEFAULT_GGUF)
 
 
-def resolve_model(model: str | None) -> ModelSource:
-    """Turn the user's ``model`` argument into a ModelSource, or raise a clear ValueError."""
+def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
+    """Turn the user's ``model`` argument into a ModelSource, or raise a clear ValueError.
+    ``load_format`` (vLLM's ``--load-format``): auto takes safetensors or GGUF and refuses
+    pickle files; pt takes a folder's pickle files (loaded with torch's weights-only
+    unpickler, which refuses anything but tensors and plain containers)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format: {load_format!r} is not supported; supported: "
+                         f"{', '.join(LOAD_FORMATS)}")
     if model is None or model == DEFAULT_MODEL_NAME:
         model = default_model_path()
     path = Path(model).expanduser()
+    source = _find_weights(model, path, load_format)
+    wanted = {"safetensors": source.gguf_file is None and not source.pickle,
+              "gguf": source.gguf_file is not None, "pt": source.pickle}.get(load_format, True)
+    if not wanted:
+        raise ValueError(f"model: --load-format {load_format} does not match {model}")
+    return source
+
+
+def _find_weights(model: str, path: Path, load_format: str) -> ModelSource:
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(str(path.parent), path.name)
     if path.is_dir():
         if (path / "config.json").is_file():
-            if not any(path.glob("*.safetensors")):
-                pickled = sorted(p.name for p in path.glob("*")
-                                 if p.suffix in (".bin", ".pt", ".pth"))
-                if pickled:
-                    raise ValueError(
-                        f"model: {model} has its weights only as PyTorch pickle files "
-                        f"({', '.join(pickled)}); cpullm loads safetensors and GGUF only, "
-                        "since loading a pickle can run code from the file. Convert them "
-                        "to safetensors (transformers' save_pretrained does) and try again")
+            pickled = sorted(p.name for p in path.glob("*") if p.suffix in _PICKLE_SUFFIXES)
+            if load_format == "pt":
+                if not pickled:
+                    raise ValueError(f"model: --load-format pt, but {model} has no PyTorch "
+                                     "pickle files (*.bin, *.pt, *.pth)")
+                return ModelSource(str(path), pickle=True)
+            if not any(path.glob("*.safetensors")) and pickled:
+                raise ValueError(
+                    f"model: {model} has its weights only as PyTorch pickle files "
+                    f"({', '.join(pickled)}); cpullm loads safetensors and GGUF unless "
+                    "told otherwise, since a pickle file can carry code. Convert them to "
+                    "safetensors (transformers' save_pretrained does), or pass "
+                    "--load-format pt to load them with torch's weights-only unpickler")
             return ModelSource(str(path))
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
         if len(ggufs) == 1:

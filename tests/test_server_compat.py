@@ -268,7 +268,8 @@ def test_docs_list_every_request_field():
                 "tokenize": text.split("## POST /tokenize")[1].split("\n## ")[0]}
     for section, models in (("completions", [protocol.CompletionRequest]),
                             ("chat", [protocol.ChatCompletionRequest, protocol.ChatMessage]),
-                            ("tokenize", [protocol.TokenizeRequest,
+                            ("tokenize", [protocol.TokenizeCompletionRequest,
+                                          protocol.TokenizeChatRequest,
                                           protocol.DetokenizeRequest])):
         for model in models:
             for name in [*model.model_fields, *getattr(model, "REFUSED", {})]:

@@ -115,3 +115,51 @@ def test_a_fault_in_one_request_fails_that_request_only(tiny_model, monkeypatch,
                 break
             assert time.monotonic() < deadline, stats
             time.sleep(0.05)
+
+
+def test_a_fault_in_one_requests_sampling_fails_that_request_only(tiny_model, monkeypatch):
+    """The sampler raising inside the engine step for one request (of a batch of four):
+    that request gets a 500 (an SSE error event when streaming), the others their tokens;
+    /health and the KV pool are unharmed."""
+    from cpullm.worker import sampler
+
+    penalties = sampler.Sampler._apply_penalties
+
+    def faulty_penalties(self, logits, batch):  # fault injection: one request's sampling
+        if any(p.presence_penalty == 1.5 for p in batch.params):
+            raise RuntimeError("injected sampler fault")
+        return penalties(self, logits, batch)
+
+    monkeypatch.setattr(sampler.Sampler, "_apply_penalties", faulty_penalties)
+    engine = AsyncEngine(LLMEngine.from_engine_args(EngineArgs(
+        model=str(tiny_model("llama")), dtype="float32", block_size=32, max_model_len=512)))
+    with serving(engine) as url:
+        results: dict[str, httpx.Response] = {}
+
+        def post(name: str, body: dict) -> None:
+            results[name] = httpx.post(f"{url}/v1/completions", timeout=30, json={
+                "prompt": "Hello there", "max_tokens": 20, "ignore_eos": True, **body})
+
+        bad = {"presence_penalty": 1.5}
+        posts = [threading.Thread(target=post, args=a) for a in (
+            ("good", {}), ("bad", bad), ("bad_stream", {**bad, "stream": True}),
+            ("good_stream", {"stream": True}))]
+        for p in posts:
+            p.start()
+        for p in posts:
+            p.join()
+        assert results["bad"].status_code == 500
+        assert "injected sampler fault" in results["bad"].json()["error"]["message"]
+        assert results["bad_stream"].status_code == 200  # headers went out before the fault
+        assert '"code": 500' in results["bad_stream"].text
+        assert results["good"].status_code == 200
+        assert results["good"].json()["usage"]["completion_tokens"] == 20
+        assert results["good_stream"].text.count('"text"') >= 20
+        assert httpx.get(f"{url}/health").status_code == 200
+        deadline = time.monotonic() + 10
+        while True:
+            stats = engine.stats
+            if stats.num_free_blocks == stats.num_blocks and stats.num_running == 0:
+                break
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.05)

@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+import torch
 from server_utils import RemoteServer
 
 KEY = {"Authorization": "Bearer sekret"}
@@ -106,6 +107,56 @@ def test_pickle_weights_are_refused(tiny_model, tmp_path):
         weights.rename(weights.with_name("pytorch_model.bin"))
     with pytest.raises(ValueError, match=r"only as PyTorch pickle files \(pytorch_model.bin\)"):
         EngineArgs(model=str(folder), dtype="float32").create_engine_config()
+
+
+class _RunsCode:
+    """What a hostile pickle carries: unpickling it calls ``Path.touch`` on a marker."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import pathlib
+
+        return pathlib.Path.touch, (pathlib.Path(self.marker),)
+
+
+def test_pickle_weights_load_only_when_asked_and_only_as_tensors(tiny_model, tmp_path):
+    """--load-format pt loads a folder's pytorch_model.bin (the tokens of its safetensors);
+    a pickle that carries code is refused by the weights-only unpickler, and its code
+    never runs."""
+    from safetensors.torch import load_file
+
+    from cpullm import LLM, SamplingParams
+    from cpullm.engine_args import EngineArgs
+
+    source = tiny_model("llama")
+    folder = tmp_path / "pickled"
+    shutil.copytree(source, folder)
+    state = {}
+    for weights in folder.glob("*.safetensors"):
+        state.update(load_file(weights))
+        weights.unlink()
+    torch.save(state, folder / "pytorch_model.bin")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+
+    def tokens(model: str, **kwargs) -> list[int]:
+        llm = LLM(model, dtype="float32", max_model_len=256, **kwargs)
+        return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+    assert tokens(str(folder), load_format="pt") == tokens(str(source))
+    with pytest.raises(ValueError, match="has no PyTorch pickle files"):
+        EngineArgs(model=str(source), load_format="pt").create_engine_config()
+    with pytest.raises(ValueError, match="--load-format gguf does not match"):
+        EngineArgs(model=str(source), load_format="gguf").create_engine_config()
+
+    marker = tmp_path / "code-ran"
+    torch.save({"model.embed_tokens.weight": _RunsCode(str(marker))},
+               folder / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="cannot load pytorch_model.bin as weights only"):
+        LLM(str(folder), dtype="float32", max_model_len=256, load_format="pt")
+    assert not marker.exists()
 
 
 def test_overload_is_refused_at_once_with_503(tiny_model):

@@ -52,6 +52,7 @@ class EngineCoreOutput:
     scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    error: str | None = None  # the sequence failed (finish_reason "error"): why
 
 
 @dataclass
@@ -133,10 +134,15 @@ class EngineCore:
                                                    prompt_logprobs_start=start)
         # 4. Advance requests; token stops (eos, stop ids, length) end them here.
         for request in scheduler.update_from_output(scheduler_output,
-                                                    runner_output.sampled_token_ids):
+                                                    runner_output.sampled_token_ids,
+                                                    runner_output.failed):
             output = outputs.get(request.request_id)
             if output is None:
                 output = outputs[request.request_id] = EngineCoreOutput(request.request_id, [])
+            if request.status == RequestStatus.FINISHED_ERROR:
+                output.finish_reason = "error"
+                output.error = runner_output.failed[request.request_id]
+                continue
             output.new_token_ids.append(request.output_token_ids[-1])
             output.logprobs = runner_output.logprobs.get(request.request_id)
             if request.status.finished:

@@ -83,17 +83,17 @@ def encode_output(output: EngineCoreOutput) -> list[Any]:
     return [output.request_id, output.new_token_ids, output.finish_reason, output.stop_reason,
             _encode_rows(output.logprobs), _encode_rows(output.prompt_logprobs),
             output.prompt_logprobs_start, output.num_cached_tokens, output.scheduled_time,
-            output.first_token_time, output.last_token_time]
+            output.first_token_time, output.last_token_time, output.error]
 
 
 def decode_output(data: list[Any]) -> EngineCoreOutput:
     (request_id, new_token_ids, finish_reason, stop_reason, logprobs, prompt_logprobs,
      prompt_logprobs_start, num_cached_tokens, scheduled_time, first_token_time,
-     last_token_time) = data
+     last_token_time, error) = data
     return EngineCoreOutput(request_id, new_token_ids, finish_reason, stop_reason,
                             _decode_rows(logprobs), _decode_rows(prompt_logprobs),
                             prompt_logprobs_start, num_cached_tokens, scheduled_time,
-                            first_token_time, last_token_time)
+                            first_token_time, last_token_time, error)
 
 
 def encode_stats(stats: EngineStats) -> list[Any]:

@@ -156,6 +156,8 @@ class OutputProcessor:
     def _apply(self, state: _RequestState, sample: _Sample, output: EngineCoreOutput,
                to_finish: list[str]) -> bool:
         """One sequence's output into its sample; True if the sample got new tokens."""
+        if output.error is not None:  # the engine core failed this sequence alone
+            raise RuntimeError(output.error)
         if output.prompt_logprobs is not None:
             self._add_prompt_logprobs(state, output.prompt_logprobs_start,
                                       output.prompt_logprobs)

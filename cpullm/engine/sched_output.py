@@ -52,3 +52,5 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # request id -> one row per prompt position computed this step (predicting the next)
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # request id -> why its own sampling raised (that request fails, the others go on)
+    failed: dict[str, str] = field(default_factory=dict)

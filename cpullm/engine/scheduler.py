@@ -124,16 +124,22 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def update_from_output(self, output: SchedulerOutput,
-                           sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
+                           failed: dict[str, str] | None = None) -> list[Request]:
         """Advance the scheduled requests after the step ran; returns the requests that
-        got a new token. Requests that finished are freed."""
+        got a new token, or failed (``failed``: their sampling raised). Requests that
+        finished are freed."""
         updated = []
         for item in output.scheduled:
             self.in_flight.discard(item.request_id)
             request = self.requests.get(item.request_id)
             if request is None:
                 continue  # finished (aborted) while its step was in flight
+            if failed and item.request_id in failed:
+                request.status = RequestStatus.FINISHED_ERROR
+                self._finish(request)
+                updated.append(request)
+                continue
             before = request.num_computed_tokens
             request.num_computed_tokens = before + len(item.token_ids)
             self.kv_cache_manager.cache_computed_blocks(request, before)

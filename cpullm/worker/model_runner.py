@@ -184,15 +184,7 @@ class ModelRunner:
         logits = logits.float()  # [rows, vocab]
 
         if rows:
-            sampled = [items[i] for i in rows]
-            tokens, logprobs = self.sampler(logits[:len(rows)], self._sampling_batch(sampled))
-            for row, (item, token) in enumerate(zip(sampled, tokens, strict=True)):
-                output.sampled_token_ids[item.request_id] = token
-                if logprobs is not None and item.sampling_params.logprobs is not None:
-                    k = item.sampling_params.logprobs + 1
-                    output.logprobs[item.request_id] = LogprobsLists(
-                        [logprobs.token_ids[row][:k]], [logprobs.logprobs[row][:k]],
-                        [logprobs.ranks[row]])
+            self._sample([items[i] for i in rows], logits[:len(rows)], output)
         offset = len(rows)
         for item, flat_index, targets in prompt_rows:
             chunk = logits[offset:offset + len(flat_index)]
@@ -200,6 +192,33 @@ class ModelRunner:
             output.prompt_logprobs[item.request_id] = compute_logprobs(
                 chunk, torch.tensor(targets), item.sampling_params.prompt_logprobs or 0)
         return output
+
+    def _sample(self, sampled: list[ScheduledRequest], logits: torch.Tensor,
+                output: ModelRunnerOutput) -> None:
+        """The next token (and logprobs) of every sampling request, in one batch; if the
+        batch raises, each request alone, so that one whose sampling raises fails by
+        itself (``output.failed``) and the others get their tokens."""
+        try:
+            results = [(sampled, self.sampler(logits, self._sampling_batch(sampled)))]
+        except Exception:  # noqa: BLE001 - found out request by request below
+            logger.exception("Sampling a batch of %d failed; sampling each request alone",
+                             len(sampled))
+            results = []
+            for row, item in enumerate(sampled):
+                try:
+                    result = self.sampler(logits[row:row + 1], self._sampling_batch([item]))
+                except Exception as e:  # noqa: BLE001 - this request fails, the rest go on
+                    output.failed[item.request_id] = f"sampling failed: {type(e).__name__}: {e}"
+                    continue
+                results.append(([item], result))
+        for items, (tokens, logprobs) in results:
+            for row, (item, token) in enumerate(zip(items, tokens, strict=True)):
+                output.sampled_token_ids[item.request_id] = token
+                if logprobs is not None and item.sampling_params.logprobs is not None:
+                    k = item.sampling_params.logprobs + 1
+                    output.logprobs[item.request_id] = LogprobsLists(
+                        [logprobs.token_ids[row][:k]], [logprobs.logprobs[row][:k]],
+                        [logprobs.ranks[row]])
 
     def _prepare_inputs(self, items: list[ScheduledRequest]
                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:

@@ -15,6 +15,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -30,6 +31,7 @@ from cpullm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     ModelCard,
+    TokenizeChatRequest,
     TokenizeRequest,
 )
 from cpullm.entrypoints.openai.serving_chat import ServingChat
@@ -124,12 +126,17 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "Invalid request.", None
-    first = errors[0]
+    # Of a union's errors (one per alternative), a value that is not one of the allowed
+    # ones says most: "content parts of type 'image_url'" beats "not a string".
+    first = next((e for e in errors if e.get("type") in ("literal_error", "enum")), errors[0])
     if first.get("type") == "json_invalid":
         return f"Invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     location = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = location[0] if location else None
-    return f"{'.'.join(location) or 'body'}: {first.get('msg')}", param
+    message = f"{'.'.join(location) or 'body'}: {first.get('msg')}"
+    if first.get("type") in ("literal_error", "enum"):
+        message += f", got {first.get('input')!r}"
+    return message, param
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -180,6 +187,15 @@ def build_app(engine: ServingEngine, served_model_name: str,
             engine.shutdown()
 
     app = FastAPI(title="cpullm", version=cpullm.__version__, lifespan=lifespan)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            app.openapi_schema = bind_model_limits(schema, served_model_name,
+                                                   model_config.vocab_size, max_model_len)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     app.state.engine = engine
     app.state.metrics = metrics
 
@@ -199,6 +215,13 @@ def build_app(engine: ServingEngine, served_model_name: str,
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return _error(500, str(exc))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # A fault of this server's (the checks above should have caught the input): logged
+        # with its traceback, answered in OpenAI's shape without one.
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return _error(500, f"internal error: {type(exc).__name__}")
 
     # Added last runs first: CORS (only when origins are given), the key, the body limit.
     app.add_middleware(_BodyLimit, limit=max_request_body_bytes, timeout=request_body_timeout)
@@ -241,14 +264,12 @@ def build_app(engine: ServingEngine, served_model_name: str,
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         completions.check_model(body.model)
-        if body.messages is not None:
+        if isinstance(body, TokenizeChatRequest):
             chat_request = ChatCompletionRequest(messages=body.messages,
                                                  add_generation_prompt=body.add_generation_prompt)
             tokens = chat.render(chat_request)
-        elif body.prompt is not None:
-            tokens = completions.encode(body.prompt, body.add_special_tokens)
         else:
-            raise OpenAIError("Either prompt or messages is required.", 400, "prompt")
+            tokens = completions.encode(body.prompt, body.add_special_tokens, limit=False)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
 
     @app.post("/detokenize")
@@ -291,6 +312,32 @@ async def _respond(create: Awaitable[dict[str, Any] | AsyncIterator[str]], reque
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
     except EngineDeadError as e:
         return _error(500, str(e))
+
+
+def bind_model_limits(node: Any, served_model_name: str, vocab_size: int,
+                      max_model_len: int) -> Any:
+    """The OpenAPI schema with the model's bounds where protocol.py marks them: token ids
+    below the vocabulary size, lengths below the context, the served model's name."""
+    def bound(schema: Any, kind: str) -> None:
+        if not isinstance(schema, dict):
+            return
+        if kind == "served_model" and schema.get("type") == "string":
+            schema["enum"] = [served_model_name]
+        elif kind != "served_model" and schema.get("type") == "integer":
+            schema["maximum"] = vocab_size - 1 if kind == "token_id" else max_model_len - 1
+        for branch in schema.get("anyOf", []):
+            bound(branch, kind)
+
+    if isinstance(node, dict):
+        kind = node.pop("x-cpullm-limit", None)
+        if kind is not None:
+            bound(node, kind)
+        for value in node.values():
+            bind_model_limits(value, served_model_name, vocab_size, max_model_len)
+    elif isinstance(node, list):
+        for value in node:
+            bind_model_limits(value, served_model_name, vocab_size, max_model_len)
+    return node
 
 
 def run_server(args: argparse.Namespace) -> int:

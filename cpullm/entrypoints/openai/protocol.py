@@ -5,11 +5,17 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cpullm.sampling_params import RequestOutputKind, SamplingParams
+from cpullm.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_N,
+    SEED_RANGE,
+    RequestOutputKind,
+    SamplingParams,
+)
 
 
 def random_id(prefix: str) -> str:
@@ -18,8 +24,18 @@ def random_id(prefix: str) -> str:
 
 class OpenAIModel(BaseModel):
     # Unknown fields are kept, not rejected (clients send fields of newer API versions), so
-    # that the server can name them in a warning instead of dropping them unseen.
-    model_config = ConfigDict(extra="allow")
+    # that the server can name them in a warning instead of dropping them unseen. NaN and
+    # infinity (which Python's JSON reads) are no number a field takes.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+# Bounds that depend on the model, marked here and filled in when the app's OpenAPI schema
+# is built (api_server.bind_model_limits): a token id's maximum (the vocabulary), a
+# length's (the context), the served model's name.
+TOKEN_ID = {"x-cpullm-limit": "token_id"}
+CONTEXT_LENGTH = {"x-cpullm-limit": "context_length"}
+SERVED_MODEL = {"x-cpullm-limit": "served_model"}
+_TokenId = Annotated[int, Field(ge=0, json_schema_extra=TOKEN_ID)]
 
 
 def _absent(value: Any) -> bool:
@@ -79,27 +95,31 @@ class StreamOptions(OpenAIModel):
 class _SamplingFields(_Refusing):
     """Fields shared by completions and chat completions."""
 
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    # The bounds SamplingParams checks, stated in the schema too (clients and fuzzers read
+    # them); what depends on the model (token ids, lengths) is checked per request.
+    model: str | None = Field(default=None, json_schema_extra=SERVED_MODEL)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stop: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]] | \
+        None = None
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]+$")],
+                     Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extra sampling parameters
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[_TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: prefix-cache blocks are shared only between requests with the same salt
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
 
@@ -137,15 +157,21 @@ class _SamplingFields(_Refusing):
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
 
 
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    suffix: str | None = None
-    best_of: int | None = None
+_Text = Annotated[str, Field(min_length=1)]
+_TokenIds = Annotated[list[_TokenId], Field(min_length=1)]
 
-    REFUSED = _STRUCTURED_OUTPUTS
+
+class CompletionRequest(_SamplingFields):
+    prompt: _Text | Annotated[list[_Text], Field(min_length=1)] | _TokenIds | \
+        Annotated[list[_TokenIds], Field(min_length=1)]
+    echo: bool = False
+    max_tokens: int | None = Field(default=16, ge=0,  # 0: echo only
+                                   json_schema_extra=CONTEXT_LENGTH)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # must equal n
+
+    REFUSED = {**_STRUCTURED_OUTPUTS,
+               "suffix": (_absent, "insertion (suffix) is not supported")}
 
     @property
     def echo_only(self) -> bool:
@@ -155,8 +181,8 @@ class CompletionRequest(_SamplingFields):
 
 
 class ContentPart(OpenAIModel):
-    type: str
-    text: str | None = None
+    type: Literal["text"]  # this server takes text only
+    text: str
 
 
 class ChatMessage(OpenAIModel):
@@ -169,11 +195,7 @@ class ChatMessage(OpenAIModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise ValueError(f"messages: content parts of type {part.type!r} are not "
-                                 "supported; this server takes text only")
-        return "".join(part.text or "" for part in self.content)
+        return "".join(part.text for part in self.content)
 
     def for_template(self) -> dict[str, Any]:
         """The message as the chat template sees it: text content, and any other fields the
@@ -188,11 +210,12 @@ _TOOLS = "tool calling is not implemented yet"
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1, json_schema_extra=CONTEXT_LENGTH)
+    max_completion_tokens: int | None = Field(default=None, ge=1,
+                                              json_schema_extra=CONTEXT_LENGTH)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
@@ -208,17 +231,28 @@ class ChatCompletionRequest(_SamplingFields):
                               "only the text modality is supported")}
 
 
-class TokenizeRequest(OpenAIModel):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+class TokenizeCompletionRequest(OpenAIModel):
+    """/tokenize of a prompt (vLLM's two request kinds)."""
+
+    model: str | None = Field(default=None, json_schema_extra=SERVED_MODEL)
+    prompt: str
     add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(OpenAIModel):
+    """/tokenize of chat messages, rendered by the chat template."""
+
+    model: str | None = Field(default=None, json_schema_extra=SERVED_MODEL)
+    messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
 
 
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+
+
 class DetokenizeRequest(OpenAIModel):
-    model: str | None = None
-    tokens: list[int]
+    model: str | None = Field(default=None, json_schema_extra=SERVED_MODEL)
+    tokens: list[_TokenId]
 
 
 class Usage(BaseModel):

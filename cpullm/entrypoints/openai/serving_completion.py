@@ -35,8 +35,6 @@ class ServingCompletion(ServingBase):
 
     async def create(self, request: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         self.check_request(request)
-        if request.suffix is not None:
-            raise OpenAIError("suffix is not supported.", 400, "suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of must equal n (beam search is not supported).", 400,
                               "best_of")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -48,6 +49,19 @@ class OpenAIError(Exception):
         return cls(message, 400, first if first.isidentifier() else None)
 
 
+@functools.cache
+def _max_token_bytes(vocab: tuple[str, ...]) -> int:
+    return max((len(token.encode("utf-8", "replace")) for token in vocab), default=1)
+
+
+def max_token_bytes(tokenizer: Any) -> int:
+    """An upper bound of the UTF-8 bytes of text one token stands for, times four (for
+    normalizers that drop characters): a token's spelling in the vocabulary is never
+    shorter than its text (byte-level BPE spells each byte with one character, SentencePiece
+    spells text as it is, byte fallback as <0xNN>)."""
+    return 4 * _max_token_bytes(tuple(tokenizer.get_vocab()))
+
+
 def clamp_logprob(value: float) -> float:
     """JSON has no -inf; report it as a very low number, as vLLM does."""
     return max(value, -9999.0)
@@ -80,6 +94,7 @@ class ServingBase:
         self.metrics = metrics
         self.max_open_requests = max_open_requests  # past it: 503 at once
         self.vocab_size = engine.config.model.vocab_size
+        self.max_token_bytes = max_token_bytes(engine.tokenizer)
         self._warned_fields: set[str] = set()
 
     def check_request(self, request: _SamplingFields) -> None:
@@ -116,7 +131,22 @@ class ServingBase:
         if model is not None and model != self.served_model_name:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, limit: bool = True
+               ) -> list[int]:
+        """The text's token ids. Text that is not valid Unicode (a lone surrogate, which
+        JSON can spell) is refused; with ``limit``, so is text too long for the context
+        whatever it tokenizes to, before it is tokenized (a 10 MB prompt would hold the
+        event loop for seconds)."""
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            raise OpenAIError(f"The text is not valid Unicode: {e.reason} at position "
+                              f"{e.start}.", 400, "prompt") from None
+        if limit and size > self.max_model_len * self.max_token_bytes:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt has {size} bytes of text, more than any {self.max_model_len} "
+                "tokens of this model spell.", 400, "prompt")
         # The Rust tokenizer directly: thread-safe, unlike the Python wrapper's settings.
         return self.engine.tokenizer.backend_tokenizer.encode(
             text, add_special_tokens=add_special_tokens).ids

@@ -16,7 +16,7 @@ from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import get_quantization_config
 from cpullm.model_executor.layers.quantization.dense import PackedGemm
 from cpullm.model_executor.loader.gguf_loader import iterate_gguf
-from cpullm.model_executor.loader.safetensors_loader import iterate_safetensors
+from cpullm.model_executor.loader.safetensors_loader import iterate_pickle, iterate_safetensors
 from cpullm.model_executor.models import get_model_class
 from cpullm.model_executor.models.qwen_moe import SparseMoE
 
@@ -35,6 +35,8 @@ def get_model(config: ModelConfig, ops: KernelTable | None) -> nn.Module:
     model = model_class(config.hf_config, config.max_model_len, config.dtype, ops, quant_config)
     if source.gguf_path is not None:
         weights = iterate_gguf(source.gguf_path, config.num_heads, config.num_kv_heads)
+    elif source.pickle:
+        weights = iterate_pickle(source.directory)
     else:
         weights = iterate_safetensors(source.directory)
     with torch.no_grad():

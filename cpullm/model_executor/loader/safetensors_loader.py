@@ -19,6 +19,26 @@ def iterate_safetensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def iterate_pickle(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the folder's PyTorch pickle files (``--load-format
+    pt``), read with torch's weights-only unpickler: it builds tensors and plain containers
+    only, and refuses any other object a file names (which a full unpickler would run)."""
+    files = sorted(p for p in glob.glob(os.path.join(directory, "*"))
+                   if p.endswith((".bin", ".pt", ".pth")))
+    for path in files:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # noqa: BLE001 - the unpickler's refusal, named
+            raise ValueError(f"model: cannot load {os.path.basename(path)} as weights only: "
+                             f"{e}") from None
+        if not isinstance(state, dict):
+            raise ValueError(f"model: {os.path.basename(path)} holds a "
+                             f"{type(state).__name__}, not a state dict of tensors")
+        for name, tensor in state.items():
+            if isinstance(tensor, torch.Tensor):
+                yield name, tensor
+
+
 def safetensors_numel(files: list[str]) -> int:
     """The number of values in the files' tensors, from their headers (nothing is read)."""
     total = 0
