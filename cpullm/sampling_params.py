@@ -6,6 +6,8 @@ import copy
 import enum
 from dataclasses import dataclass
 
+from cpullm.structured_output import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 MAX_N = 128  # samples per request (OpenAI's limit): each is a sequence of its own
@@ -45,8 +47,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # the tokens held to a JSON schema, regex, choice or grammar (cpullm/structured_output.py)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -91,6 +97,9 @@ class SamplingParams:
         if self.logit_bias:
             check(all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()), "logit_bias",
                   "values must be in [-100, 100]")
+        check(self.structured_outputs is None
+              or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "must be StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

@@ -59,6 +59,9 @@ def unpack(data: bytes) -> list[Any]:
 def encode_request(request: EngineCoreRequest) -> list[Any]:
     params = [getattr(request.params, name) for name in _PARAM_FIELDS]
     params[_PARAM_FIELDS.index("output_kind")] = request.params.output_kind.value
+    guided = request.params.structured_outputs
+    params[_PARAM_FIELDS.index("structured_outputs")] = (
+        None if guided is None else dataclasses.asdict(guided))
     return [request.request_id, request.prompt_token_ids, params, request.arrival_time,
             request.cache_salt]
 
@@ -66,6 +69,7 @@ def encode_request(request: EngineCoreRequest) -> list[Any]:
 def decode_request(data: list[Any]) -> EngineCoreRequest:
     request_id, prompt_token_ids, values, arrival_time, cache_salt = data
     fields = dict(zip(_PARAM_FIELDS, values, strict=True))
+    # (structured_outputs travels as a dict, which SamplingParams turns back into its params)
     fields["output_kind"] = RequestOutputKind(fields["output_kind"])
     return EngineCoreRequest(request_id, prompt_token_ids, SamplingParams(**fields),
                              arrival_time, cache_salt)

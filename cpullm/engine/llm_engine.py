@@ -22,6 +22,7 @@ from cpullm.executor import UniProcExecutor
 from cpullm.logger import init_logger
 from cpullm.outputs import RequestOutput
 from cpullm.sampling_params import SamplingParams
+from cpullm.structured_output import GrammarChecker
 from cpullm.transformers_utils import load_tokenizer
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class Frontend:
         if model_config.chat_template:
             self.tokenizer.chat_template = model_config.chat_template
         self.eos_token_ids = self._eos_token_ids()
+        self.grammars = GrammarChecker(self.tokenizer)
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -114,6 +116,8 @@ class Frontend:
         vocab = self.config.model.vocab_size
         if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)
 
     def check_prompt(self, token_ids: list[int]) -> None:
         max_len = self.config.model.max_model_len

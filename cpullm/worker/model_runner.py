@@ -32,6 +32,8 @@ from cpullm.model_executor.loader import get_model
 from cpullm.platform.affinity import bind_compute_threads, prefer_local_memory
 from cpullm.platform.memory import tune_malloc
 from cpullm.platform.topology import CpuTopology
+from cpullm.structured_output import GuidedDecoding
+from cpullm.transformers_utils import load_tokenizer
 from cpullm.utils import cdiv
 from cpullm.worker.sampler import Sampler, SamplingBatch, compute_logprobs
 
@@ -106,6 +108,9 @@ class ModelRunner:
                     sum(c.nbytes for c in self.kv_caches) / (1 << 30), time.perf_counter() - start)
         self.sampler = Sampler(model_config.vocab_size, eos_token_ids, ops)
         self.generators: dict[str, torch.Generator] = {}
+        self.guided = GuidedDecoding(lambda: load_tokenizer(
+            model_config.source, model_config.tokenizer, model_config.hf_config),
+            model_config.vocab_size)
         self._bound_thread: int | None = None
         self._caller_affinity: set[int] | None = None  # of the bound thread, before binding
 
@@ -151,6 +156,7 @@ class ModelRunner:
         self.bind_threads()
         for request_id in scheduler_output.finished_request_ids:
             self.generators.pop(request_id, None)
+            self.guided.drop(request_id)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput()
         # Single-token requests first: attention runs them on its decode path.
@@ -198,21 +204,43 @@ class ModelRunner:
         """The next token (and logprobs) of every sampling request, in one batch; if the
         batch raises, each request alone, so that one whose sampling raises fails by
         itself (``output.failed``) and the others get their tokens."""
+        batch = self._sampling_batch(sampled)
+        guided_rows, allowed, failed = self.guided.masks(
+            [r.request_id for r in sampled], batch.params, batch.output_token_ids)
+        output.failed.update(failed)
+        if failed:  # those rows are not sampled
+            keep = [i for i, r in enumerate(sampled) if r.request_id not in failed]
+            sampled, logits = [sampled[i] for i in keep], logits[keep]
+            batch = self._sampling_batch(sampled)
+            guided_rows = [keep.index(row) for row in guided_rows]
+            if not sampled:
+                return
+        batch.guided_rows, batch.allowed = guided_rows, allowed
         try:
-            results = [(sampled, self.sampler(logits, self._sampling_batch(sampled)))]
+            results = [(sampled, self.sampler(logits, batch))]
         except Exception:  # noqa: BLE001 - found out request by request below
             logger.exception("Sampling a batch of %d failed; sampling each request alone",
                              len(sampled))
             results = []
             for row, item in enumerate(sampled):
+                alone = self._sampling_batch([item])
+                if row in guided_rows:
+                    assert allowed is not None
+                    alone.guided_rows = [0]
+                    alone.allowed = allowed[guided_rows.index(row)][None]
                 try:
-                    result = self.sampler(logits[row:row + 1], self._sampling_batch([item]))
+                    result = self.sampler(logits[row:row + 1], alone)
                 except Exception as e:  # noqa: BLE001 - this request fails, the rest go on
                     output.failed[item.request_id] = f"sampling failed: {type(e).__name__}: {e}"
                     continue
                 results.append(([item], result))
         for items, (tokens, logprobs) in results:
             for row, (item, token) in enumerate(zip(items, tokens, strict=True)):
+                if item.sampling_params.structured_outputs is not None:
+                    error = self.guided.advance(item.request_id, token)
+                    if error is not None:
+                        output.failed[item.request_id] = error
+                        continue
                 output.sampled_token_ids[item.request_id] = token
                 if logprobs is not None and item.sampling_params.logprobs is not None:
                     k = item.sampling_params.logprobs + 1

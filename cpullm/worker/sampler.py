@@ -1,7 +1,8 @@
 """Sampler: the next token for every sampling request of a step, in batched tensor ops.
 
-Order of operations, as vLLM: logit bias and min_tokens masking, penalties, then greedy
-argmax or temperature -> top-k -> top-p -> min-p -> a draw. The draw inverts the
+Order of operations, as vLLM: logit bias and min_tokens masking, penalties, the grammar's
+mask (structured outputs), then greedy argmax or temperature -> top-k -> top-p -> min-p ->
+a draw. The draw inverts the
 cumulative distribution at a uniform number; a seeded request takes that number from its
 own generator, so its tokens do not depend on what else is batched.
 Logprobs are of the model's raw distribution, before any of the above.
@@ -9,7 +10,7 @@ Logprobs are of the model's raw distribution, before any of the above.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +38,9 @@ class SamplingBatch:
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]
     generators: list[torch.Generator | None]
+    # structured outputs: the guided rows and their allowed tokens [guided, vocab] (bool)
+    guided_rows: list[int] = field(default_factory=list)
+    allowed: torch.Tensor | None = None
 
 
 class Sampler:
@@ -58,6 +62,11 @@ class Sampler:
                for p, out in zip(params, batch.output_token_ids, strict=True)):
             logits = self._apply_bias_and_min_tokens(logits.clone(), batch)
         logits = self._apply_penalties(logits, batch)
+        if batch.allowed is not None:  # structured outputs: the grammar's tokens only
+            if logits is raw_logits:
+                logits = logits.clone()
+            rows = batch.guided_rows
+            logits[rows] = logits[rows].masked_fill(~batch.allowed, float("-inf"))
 
         greedy = torch.tensor([p.greedy for p in params])
         if bool(greedy.all()):

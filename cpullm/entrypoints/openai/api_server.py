@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import hmac
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -358,6 +359,9 @@ def run_server(args: argparse.Namespace) -> int:
     else:
         engine = AsyncEngine(LLMEngine(config))
     served_name = config.model.served_model_name
+    # The grammar checks' view of the vocabulary, read while the engine core starts.
+    threading.Thread(target=engine.frontend.grammars.warm, name="grammar-vocabulary",
+                     daemon=True).start()
     bind_frontend_thread(list(config.parallel.binding.reserved_cpus))
     api_keys = args.api_key or ([envs.VLLM_API_KEY] if envs.VLLM_API_KEY else None)
     app = build_app(engine, served_name, api_keys,

@@ -16,6 +16,7 @@ from cpullm.sampling_params import (
     RequestOutputKind,
     SamplingParams,
 )
+from cpullm.structured_output import StructuredOutputsParams
 
 
 def random_id(prefix: str) -> str:
@@ -67,13 +68,21 @@ class _Refusing(OpenAIModel):
         return sorted(set(self.model_extra or {}) - set(self.REFUSED))
 
 
-_STRUCTURED = "structured outputs are not implemented yet"
-# OpenAI's JSON mode and vLLM's own structured-output fields, on both endpoints.
-_STRUCTURED_OUTPUTS = {
-    "response_format": (lambda v: v is None or v == {"type": "text"}, _STRUCTURED),
-    **{name: (_absent, _STRUCTURED) for name in (
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-        "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")}}
+class JsonSchemaFormat(OpenAIModel):
+    """OpenAI's ``response_format.json_schema``."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON of a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ErrorInfo(BaseModel):
@@ -122,6 +131,41 @@ class _SamplingFields(_Refusing):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: prefix-cache blocks are shared only between requests with the same salt
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and vLLM's
+    # older guided_* spellings (the backend and whitespace fields are accepted; llguidance
+    # runs them all)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's structured-output parameters, from whichever field gives them."""
+        given = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given.append(StructuredOutputsParams(json_object=True))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ValueError("response_format: a json_schema format needs "
+                                 "json_schema.schema")
+            given.append(StructuredOutputsParams(json=fmt.json_schema.schema_))
+        if self.structured_outputs is not None:
+            given.append(StructuredOutputsParams.from_dict(self.structured_outputs))
+        guided = {kind: value for kind, value in (
+            ("json", self.guided_json), ("regex", self.guided_regex),
+            ("choice", self.guided_choice), ("grammar", self.guided_grammar))
+            if value is not None}
+        if guided:
+            given.append(StructuredOutputsParams(**guided))
+        if len(given) > 1:
+            raise ValueError("structured_outputs: give one of response_format, "
+                             "structured_outputs and the guided_* fields")
+        return given[0] if given else None
 
     @property
     def usage_at_end(self) -> bool:
@@ -154,7 +198,8 @@ class _SamplingFields(_Refusing):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs,
-            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=self.structured_outputs_params())
 
 
 _Text = Annotated[str, Field(min_length=1)]
@@ -170,8 +215,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # must equal n
 
-    REFUSED = {**_STRUCTURED_OUTPUTS,
-               "suffix": (_absent, "insertion (suffix) is not supported")}
+    REFUSED = {"suffix": (_absent, "insertion (suffix) is not supported")}
 
     @property
     def echo_only(self) -> bool:
@@ -221,8 +265,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    REFUSED = {**_STRUCTURED_OUTPUTS,
-               "tools": (_empty, _TOOLS),
+    REFUSED = {"tools": (_empty, _TOOLS),
                "tool_choice": (lambda v: v is None or v == "none", _TOOLS),
                "functions": (_empty, _TOOLS),
                "function_call": (lambda v: v is None or v == "none", _TOOLS),

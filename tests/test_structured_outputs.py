@@ -1,0 +1,247 @@
+"""Structured outputs: whatever the model would say, its tokens follow the JSON schema, the
+regex, the choices or the grammar asked for, offline and through the server."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from cpullm import LLM, SamplingParams
+from cpullm.structured_output import StructuredOutputsParams
+
+# Nested objects, arrays, enums, bounded numbers, required fields.
+SCHEMAS = [
+    {"type": "object", "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "location": {"type": "object", "properties": {
+            # (a float's digits are the model's to stop: integers keep answers short)
+            "lat": {"type": "integer", "minimum": -90, "maximum": 90},
+            "lon": {"type": "integer", "minimum": -180, "maximum": 180}},
+            "required": ["lat", "lon"], "additionalProperties": False}},
+     "required": ["city", "location"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                   "minItems": 1, "maxItems": 3},
+        "size": {"enum": ["S", "M", "L"]}},
+     "required": ["colors", "size"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "items": {"type": "array", "maxItems": 2, "items": {
+            "type": "object", "properties": {
+                "sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"},
+                "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["sku", "qty"], "additionalProperties": False}},
+        "paid": {"type": "boolean"}},
+     "required": ["items", "paid"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
+     "minItems": 1, "maxItems": 5},
+]
+SUBJECTS = ["a person", "a city", "a T-shirt", "an order", "some numbers"]
+DATE = r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+EMAIL = r"[a-z]{3,10}@[a-z]{3,10}\.(com|org|net)"
+GRAMMAR = '''start: greeting " " name "!"
+greeting: "hello" | "hi"
+name: /[A-Z][a-z]{1,8}/
+'''
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(None, max_model_len=1024)  # the default model, bfloat16
+
+
+def _chat(i: int, what: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Describe {what} (#{i}) as JSON."}]
+
+
+def test_fifty_json_answers_parse_and_validate(llm):
+    """50 prompts over 5 schemas, sampled at temperature 1: every answer is JSON that
+    validates against its schema."""
+    conversations, params = [], []
+    for i in range(50):
+        schema = SCHEMAS[i % len(SCHEMAS)]
+        conversations.append(_chat(i, SUBJECTS[i % len(SUBJECTS)]))
+        params.append(SamplingParams(temperature=1.0, seed=i, max_tokens=200,
+                                     structured_outputs=StructuredOutputsParams(json=schema)))
+    outputs = llm.chat(conversations, params, use_tqdm=False)
+    for i, output in enumerate(outputs):
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", (i, completion.text)
+        jsonschema.validate(json.loads(completion.text), SCHEMAS[i % len(SCHEMAS)])
+
+
+def test_choice_regex_and_grammar_hold(llm):
+    prompts = ["Is it raining?", "Pick one:", "Answer:", "The date is", "Mail me at",
+               "Say hello"]
+    cases = [("choice", ["yes", "no", "maybe"], lambda t: t in ("yes", "no", "maybe")),
+             ("regex", DATE, lambda t: re.fullmatch(DATE, t) is not None),
+             ("regex", EMAIL, lambda t: re.fullmatch(EMAIL, t) is not None),
+             ("grammar", GRAMMAR,
+              lambda t: re.fullmatch(r"(hello|hi) [A-Z][a-z]{1,8}!", t) is not None)]
+    for kind, value, holds in cases:
+        params = SamplingParams(temperature=1.0, seed=3, max_tokens=40, n=2,
+                                structured_outputs=StructuredOutputsParams(**{kind: value}))
+        for output in llm.generate(prompts, params, use_tqdm=False):
+            for completion in output.outputs:
+                assert holds(completion.text), (kind, completion.text)
+
+
+def test_guided_and_free_requests_share_a_batch(llm):
+    """Unguided requests in the same batch sample as they would alone."""
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate(["The sky is", "One two"], free,
+                                                           use_tqdm=False)]
+    guided = SamplingParams(temperature=0, max_tokens=12,
+                            structured_outputs=StructuredOutputsParams(choice=["blue", "red"]))
+    mixed = llm.generate(["The sky is", "Colour:", "One two"], [free, guided, free],
+                         use_tqdm=False)
+    assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == alone
+    assert mixed[1].outputs[0].text in ("blue", "red")
+
+
+def test_grammar_survives_preemption(tiny_model):
+    """A tiny random model, a KV cache small enough to preempt: the regex still holds."""
+    llm = LLM(str(tiny_model("llama")), dtype="float32", block_size=32,
+              kv_cache_memory_bytes=6 * 32 * 512, max_model_len=192)
+    pattern = r"[a-z]{20,60}"
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=80,
+                            structured_outputs=StructuredOutputsParams(regex=pattern))
+    prompts = [" ".join(["words"] * n) for n in (30, 50, 70, 40)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    for output in outputs:
+        assert re.fullmatch(pattern, output.outputs[0].text), output.outputs[0].text
+
+
+@pytest.mark.parametrize("params,message", [
+    (dict(json='{"type": "bogus"}'), "cannot be used"),
+    (dict(json="{not json"), "is not JSON"),
+    (dict(regex="(unclosed"), "regex"),
+    (dict(grammar="start: undefined_rule"), "grammar"),
+])
+def test_a_grammar_that_cannot_compile_is_refused_before_the_engine(llm, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate("hi", SamplingParams(
+            max_tokens=4, structured_outputs=StructuredOutputsParams(**params)), use_tqdm=False)
+
+
+def test_structured_outputs_params_take_exactly_one_kind():
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="structural_tag is not supported"):
+        StructuredOutputsParams(structural_tag="{}")
+
+
+@pytest.fixture(scope="module")
+def server():
+    from server_utils import RemoteServer
+
+    srv = RemoteServer(["--max-model-len", "1024", "--served-model-name", "default"])
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+
+
+PERSON = SCHEMAS[0]
+
+
+def _content(stream) -> str:
+    return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema_and_json_object(client, stream):
+    messages = [{"role": "user", "content": "Tell me about a person as JSON."}]
+    formats = [{"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                        "strict": True}},
+               {"type": "json_object"}]
+    for response_format in formats:
+        response = client.chat.completions.create(
+            model="default", messages=messages, max_tokens=120, temperature=1.0, seed=2,
+            response_format=response_format, stream=stream)
+        text = _content(response) if stream else response.choices[0].message.content
+        value = json.loads(text)
+        if response_format["type"] == "json_schema":
+            jsonschema.validate(value, PERSON)
+        else:
+            assert isinstance(value, dict)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_vllm_fields_in_extra_body(client, stream):
+    """structured_outputs (choice, regex, grammar) and the older guided_* spellings, on
+    chat and on completions, with n=2."""
+    cases = [({"structured_outputs": {"choice": ["yes", "no"]}},
+              lambda t: t in ("yes", "no")),
+             ({"structured_outputs": {"regex": DATE}}, lambda t: re.fullmatch(DATE, t)),
+             ({"structured_outputs": {"grammar": GRAMMAR}},
+              lambda t: re.fullmatch(r"(hello|hi) [A-Z][a-z]{1,8}!", t)),
+             ({"guided_json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON)
+              is None),
+             ({"guided_choice": ["left", "right"]}, lambda t: t in ("left", "right"))]
+    for extra, holds in cases:
+        chat = client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "Answer."}], max_tokens=60,
+            temperature=1.0, n=2, stream=stream, extra_body=extra)
+        if stream:
+            texts = ["", ""]
+            for chunk in chat:
+                for choice in chunk.choices:
+                    texts[choice.index] += choice.delta.content or ""
+        else:
+            texts = [c.message.content for c in chat.choices]
+        completion = client.completions.create(model="default", prompt="Answer:",
+                                               max_tokens=60, extra_body=extra)
+        for text in [*texts, completion.choices[0].text]:
+            assert holds(text), (extra, text)
+
+
+def test_openai_parse_with_a_pydantic_model(client):
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=24)
+        age: int = Field(ge=0, le=120)
+
+    completion = client.chat.completions.parse(
+        model="default", messages=[{"role": "user", "content": "Describe a person."}],
+        response_format=Person, max_tokens=100)
+    person = completion.choices[0].message.parsed
+    assert isinstance(person, Person) and 0 <= person.age <= 120
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "bogus"}}}}, "cannot be used"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "needs json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "regex"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structural_tag is not supported"),
+    ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "exactly one of"),
+    ({"structured_outputs": {"colour": "blue"}}, "unknown fields"),
+    ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "give one of"),
+])
+def test_bad_structured_outputs_get_a_400(server, body, message):
+    import httpx
+
+    response = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == 400 and message in error["message"], error
+    assert httpx.get(f"{server.url}/health").status_code == 200
