@@ -40,7 +40,8 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | None = None
-    # vLLM's options; cpullm's JSON grammars allow any whitespace, and never fall back
+    # vLLM's options: disable_any_whitespace keeps JSON compact (no whitespace between
+    # tokens of the syntax); the others are accepted (llguidance never falls back)
     disable_fallback: bool = False
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
@@ -82,12 +83,19 @@ class StructuredOutputsParams:
         """(kind, text): what the grammar is made from, hashable."""
         kind = self.kind()
         value = getattr(self, kind)
-        if kind == "json":
-            text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        if kind in ("json", "json_object"):
+            schema = {"type": "object"} if kind == "json_object" else value
+            if self.disable_any_whitespace:
+                if isinstance(schema, str):
+                    try:
+                        schema = json.loads(schema)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"structured_outputs: the JSON schema is not JSON: "
+                                         f"{e}") from None
+                schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+            text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
         elif kind == "choice":
             text = json.dumps(value)
-        elif kind == "json_object":
-            text = '{"type": "object"}'
         else:
             text = value
         return kind, text

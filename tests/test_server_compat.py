@@ -90,8 +90,10 @@ def test_chat_stream_first_chunk_waits_for_the_prompt(server, model_dir):
 
 
 REFUSED = [
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    # tools with "auto" (their default) on a server without --enable-auto-tool-choice
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tools"),
+     "tool_choice"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/completions", {"suffix": "and so on"}, "suffix"),
 ]

@@ -169,7 +169,9 @@ def build_app(engine: ServingEngine, served_model_name: str,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               allowed_origins: list[str] | None = None,
               max_waiting_requests: int | None = None,
-              request_body_timeout: float = 30.0) -> FastAPI:
+              request_body_timeout: float = 30.0,
+              tool_call_parser: str | None = None,
+              enable_auto_tool_choice: bool = False) -> FastAPI:
     """The FastAPI app; the caller starts and stops the engine (see ``lifespan``)."""
     model_config = engine.config.model
     max_model_len = model_config.max_model_len
@@ -177,7 +179,9 @@ def build_app(engine: ServingEngine, served_model_name: str,
     max_open = None if max_waiting_requests is None else \
         engine.config.scheduler.max_num_seqs + max_waiting_requests
     completions = ServingCompletion(engine, served_model_name, max_model_len, metrics, max_open)
-    chat = ServingChat(engine, served_model_name, max_model_len, metrics, max_open)
+    chat = ServingChat(engine, served_model_name, max_model_len, metrics, max_open,
+                       tool_call_parser=tool_call_parser,
+                       enable_auto_tool_choice=enable_auto_tool_choice)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -350,6 +354,9 @@ def run_server(args: argparse.Namespace) -> int:
         if config.parallel.node_rank == 0:
             raise SystemExit("--headless runs the ranks of a node other than 0 (--node-rank)")
         return run_headless(config, Frontend(config).eos_token_ids)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes, "
+                         "llama3_json, mistral or pythonic)")
     if config.parallel.node_rank != 0:
         raise SystemExit(f"--node-rank {config.parallel.node_rank}: only node 0 serves; start "
                          "the other nodes with --headless")
@@ -371,7 +378,9 @@ def run_server(args: argparse.Namespace) -> int:
                     request_body_timeout=args.request_body_timeout,
                     max_waiting_requests=(args.max_waiting_requests
                                           if args.max_waiting_requests is not None
-                                          else 8 * config.scheduler.max_num_seqs))
+                                          else 8 * config.scheduler.max_num_seqs),
+                    tool_call_parser=args.tool_call_parser,
+                    enable_auto_tool_choice=args.enable_auto_tool_choice)
     logger.info("Engine ready in %.1f s; serving %s on http://%s:%d", time.perf_counter() - start,
                 served_name, args.host, args.port)
     # uvicorn shuts down gracefully on SIGTERM and SIGINT, then re-raises the signal to the

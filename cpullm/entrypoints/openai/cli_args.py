@@ -66,6 +66,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         default=False, help="log each request's parameters")
     parser.add_argument("--disable-log-requests", action="store_true",
                         help="do not log requests (older vLLM's flag; not logging is the default)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let the model decide when to call tools (tool_choice "auto"); '
+                             "needs --tool-call-parser")
+    parser.add_argument("--tool-call-parser", default=None,
+                        choices=["hermes", "llama3_json", "mistral", "pythonic"],
+                        help="the format the model writes tool calls in, for tool_choice "
+                             '"auto" (hermes: Qwen 2.5/3; llama3_json: Llama 3.1-3.3; '
+                             "mistral; pythonic: Llama 4, Llama 3.2 1B/3B)")
     parser.add_argument("--headless", action="store_true",
                         help="serve nothing: run this node's ranks of a model that spans "
                              "nodes (--nnodes, --node-rank > 0), for the server on node 0")

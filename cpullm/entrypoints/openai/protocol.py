@@ -242,15 +242,55 @@ class ChatMessage(OpenAIModel):
         return "".join(part.text for part in self.content)
 
     def for_template(self) -> dict[str, Any]:
+        # (an assistant message's tool_calls and a tool message's tool_call_id ride along
+        # as extra fields, which the template reads)
         """The message as the chat template sees it: text content, and any other fields the
         client sent (name, tool_calls, tool_call_id, ...) as they are."""
         message = {**(self.model_extra or {}), "role": self.role, "content": self.text()}
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):  # templates read the arguments as an object (as vLLM's)
+            message["tool_calls"] = [_arguments_as_object(c) for c in calls]
         if self.name is not None:
             message["name"] = self.name
         return message
 
 
-_TOOLS = "tool calling is not implemented yet"
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDefinition(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+_FUNCTIONS = "the deprecated functions API is not supported; send tools"
+
+
+def _arguments_as_object(call: Any) -> Any:
+    """A tool call of the history with its JSON-text arguments parsed, where they parse."""
+    import json
+
+    function = call.get("function") if isinstance(call, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            return call
+        return {**call, "function": {**function, "arguments": arguments}}
+    return call
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -264,11 +304,12 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
-    REFUSED = {"tools": (_empty, _TOOLS),
-               "tool_choice": (lambda v: v is None or v == "none", _TOOLS),
-               "functions": (_empty, _TOOLS),
-               "function_call": (lambda v: v is None or v == "none", _TOOLS),
+    REFUSED = {"functions": (_empty, _FUNCTIONS),
+               "function_call": (lambda v: v is None or v == "none", _FUNCTIONS),
                "audio": (_absent, "audio output is not supported"),
                "modalities": (lambda v: v is None or v == ["text"],
                               "only the text modality is supported")}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,20 +16,109 @@ from cpullm.entrypoints.openai.serving_engine import (
     top_entries,
     usage,
 )
+from cpullm.entrypoints.openai.tool_parsers import ToolCall, ToolParser, get_tool_parser
 from cpullm.outputs import CompletionOutput, Logprob, RequestOutput
+from cpullm.structured_output import StructuredOutputsParams
 
 
 class ServingChat(ServingBase):
+    """Chat completions, with tools: ``tool_choice`` "auto" parses the model's answer with
+    the ``--tool-call-parser``; "required" and a named function hold the answer to a JSON
+    schema of the tools' arguments (structured outputs), so any model's calls validate."""
+
     route = "/v1/chat/completions"
+
+    def __init__(self, *args: Any, tool_call_parser: str | None = None,
+                 enable_auto_tool_choice: bool = False) -> None:
+        super().__init__(*args)
+        self.tool_parser: ToolParser | None = (
+            None if tool_call_parser is None else get_tool_parser(tool_call_parser))
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+
+    def tool_mode(self, request: ChatCompletionRequest) -> str | None:
+        """None (no tools), "none", "auto", "required" or "named"; refuses what cannot be
+        served."""
+        choice = request.tool_choice
+        if not request.tools:
+            if choice not in (None, "none"):
+                raise OpenAIError("tool_choice needs tools.", 400, "tool_choice")
+            return None
+        if choice is None:
+            choice = "auto"  # OpenAI's default when tools are given
+        if choice == "none":
+            return "none"
+        if choice == "auto":
+            if not self.enable_auto_tool_choice or self.tool_parser is None:
+                raise OpenAIError('tool_choice "auto" requires --enable-auto-tool-choice and '
+                                  "--tool-call-parser to be set.", 400, "tool_choice")
+            return "auto"
+        if request.structured_outputs_params() is not None:
+            raise OpenAIError("tool_choice required or a named function cannot be combined "
+                              "with structured outputs.", 400, "tool_choice")
+        if choice == "required":
+            return "required"
+        names = [tool.function.name for tool in request.tools]
+        if choice.function.name not in names:
+            raise OpenAIError(f"tool_choice names {choice.function.name!r}, which is not one "
+                              f"of the tools ({', '.join(names)}).", 400, "tool_choice")
+        return "named"
+
+    @staticmethod
+    def tool_schema(request: ChatCompletionRequest, mode: str) -> dict[str, Any]:
+        """The JSON schema the answer is held to for "required" and "named"."""
+        tools = request.tools or []
+        if mode == "named":
+            assert not isinstance(request.tool_choice, str | None)
+            tool = next(t for t in tools if t.function.name == request.tool_choice.function.name)
+            return tool.function.parameters or {"type": "object"}
+        calls = [{"type": "object", "properties": {
+            "name": {"type": "string", "enum": [tool.function.name]},
+            "parameters": tool.function.parameters or {"type": "object"}},
+            "required": ["name", "parameters"], "additionalProperties": False}
+            for tool in tools]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if request.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return schema
+
+    def message(self, request: ChatCompletionRequest, mode: str | None, text: str
+                ) -> tuple[dict[str, Any], bool]:
+        """The assistant message of a finished answer, and whether it calls tools."""
+        content: str | None = text
+        calls: list[ToolCall] = []
+        if mode == "auto":
+            assert self.tool_parser is not None
+            content, calls = self.tool_parser.extract(text)
+        elif mode == "required":
+            try:
+                calls = [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                         for c in json.loads(text)]
+                content = None
+            except (json.JSONDecodeError, TypeError, KeyError):
+                calls = []  # cut by max_tokens: the text as it is
+        elif mode == "named":
+            assert not isinstance(request.tool_choice, str | None)
+            try:
+                json.loads(text)
+                calls, content = [ToolCall(request.tool_choice.function.name, text)], None
+            except json.JSONDecodeError:
+                pass
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.to_json() for c in calls]
+        return message, bool(calls)
 
     def render(self, request: ChatCompletionRequest) -> list[int]:
         if not request.messages:
             raise OpenAIError("messages must contain at least one message.", 400, "messages")
         try:
             messages = [m.for_template() for m in request.messages]
+            kwargs = dict(request.chat_template_kwargs or {})
+            if request.tools:
+                kwargs["tools"] = [t.model_dump(exclude_none=True) for t in request.tools]
             prompt = self.engine.apply_chat_template(
                 messages, request.chat_template, request.add_generation_prompt,
-                request.continue_final_message, **(request.chat_template_kwargs or {}))
+                request.continue_final_message, **kwargs)
         except ValueError as e:
             raise OpenAIError.from_value_error(e) from None
         except Exception as e:  # a template that raises on this conversation (Jinja errors)
@@ -40,22 +130,37 @@ class ServingChat(ServingBase):
         self.check_request(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true.", 400, "top_logprobs")
+        mode = self.tool_mode(request)
         token_ids = self.render(request)
         max_tokens = self.check_prompt(
             token_ids, request.max_completion_tokens if request.max_completion_tokens is not None
             else request.max_tokens)
         params = self.sampling_params(request, max_tokens,
                                       (request.top_logprobs or 0) if request.logprobs else None)
+        if mode in ("required", "named"):
+            params.structured_outputs = StructuredOutputsParams(  # compact JSON calls
+                json=self.tool_schema(request, mode), disable_any_whitespace=True)
+            try:
+                self.engine.frontend.check_params(params)
+            except ValueError as e:
+                raise OpenAIError.from_value_error(e) from None
         response_id = random_id("chatcmpl")
         stream = self.generate(response_id, token_ids, params, request.cache_salt)
         if request.stream:
+            if mode in ("auto", "required", "named"):
+                return self._stream_tools(request, mode, response_id, len(token_ids), stream)
             return self._stream(request, response_id, len(token_ids), stream)
         final: RequestOutput | None = None
         async for output in stream:
             final = output
         assert final is not None
-        choices = [self._choice(request, c, {"role": "assistant", "content": c.text})
-                   for c in final.outputs]
+        choices = []
+        for completion in final.outputs:
+            message, calls = self.message(request, mode, completion.text)
+            choice = self._choice(request, completion, message)
+            if calls and completion.finish_reason == "stop":
+                choice["finish_reason"] = "tool_calls"
+            choices.append(choice)
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         response = {"id": response_id, "object": "chat.completion", "created": now(),
                     "model": self.served_model_name, "choices": choices,
@@ -89,6 +194,51 @@ class ServingChat(ServingBase):
                     extra = ({"usage": usage(num_prompt, completion_tokens)}
                              if request.usage_in_every_chunk else {})
                     yield chunk([self._choice(request, completion, delta, key="delta")], **extra)
+            if request.usage_at_end:
+                yield chunk([], usage=usage(num_prompt, completion_tokens))
+        except OpenAIError as e:
+            yield sse(e.body())
+        yield "data: [DONE]\n\n"
+
+    async def _stream_tools(self, request: ChatCompletionRequest, mode: str, response_id: str,
+                            num_prompt: int, stream: AsyncIterator[RequestOutput]
+                            ) -> AsyncIterator[str]:
+        """A stream whose answer may be tool calls: the role at the first token, then, when
+        each choice finishes, its content and its tool calls (each call whole, in one
+        delta with its index, id, name and arguments, as OpenAI's streams allow)."""
+        created = now()
+        completion_tokens = 0
+        texts: dict[int, str] = {}
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            return sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
+                        "model": self.served_model_name, "choices": choices, **extra})
+
+        try:
+            async for output in stream:
+                for completion in output.outputs:
+                    completion_tokens += len(completion.token_ids)
+                    index = completion.index
+                    if index not in texts:
+                        texts[index] = ""
+                        yield chunk([{"index": index, "delta": {"role": "assistant",
+                                                                "content": ""},
+                                      "logprobs": None, "finish_reason": None}])
+                    texts[index] += completion.text
+                    if completion.finish_reason is None:
+                        continue
+                    message, calls = self.message(request, mode, texts[index])
+                    delta: dict[str, Any] = {}
+                    if message["content"]:
+                        delta["content"] = message["content"]
+                    if calls:
+                        delta["tool_calls"] = [{"index": i, **call} for i, call in
+                                               enumerate(message["tool_calls"])]
+                    finish = ("tool_calls" if calls and completion.finish_reason == "stop"
+                              else completion.finish_reason)
+                    yield chunk([{"index": index, "delta": delta, "logprobs": None,
+                                  "finish_reason": finish,
+                                  "stop_reason": completion.stop_reason}])
             if request.usage_at_end:
                 yield chunk([], usage=usage(num_prompt, completion_tokens))
         except OpenAIError as e:
