@@ -171,7 +171,8 @@ def build_app(engine: ServingEngine, served_model_name: str,
               max_waiting_requests: int | None = None,
               request_body_timeout: float = 30.0,
               tool_call_parser: str | None = None,
-              enable_auto_tool_choice: bool = False) -> FastAPI:
+              enable_auto_tool_choice: bool = False,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app; the caller starts and stops the engine (see ``lifespan``)."""
     model_config = engine.config.model
     max_model_len = model_config.max_model_len
@@ -181,7 +182,8 @@ def build_app(engine: ServingEngine, served_model_name: str,
     completions = ServingCompletion(engine, served_model_name, max_model_len, metrics, max_open)
     chat = ServingChat(engine, served_model_name, max_model_len, metrics, max_open,
                        tool_call_parser=tool_call_parser,
-                       enable_auto_tool_choice=enable_auto_tool_choice)
+                       enable_auto_tool_choice=enable_auto_tool_choice,
+                       reasoning_parser=reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -380,7 +382,8 @@ def run_server(args: argparse.Namespace) -> int:
                                           if args.max_waiting_requests is not None
                                           else 8 * config.scheduler.max_num_seqs),
                     tool_call_parser=args.tool_call_parser,
-                    enable_auto_tool_choice=args.enable_auto_tool_choice)
+                    enable_auto_tool_choice=args.enable_auto_tool_choice,
+                    reasoning_parser=args.reasoning_parser)
     logger.info("Engine ready in %.1f s; serving %s on http://%s:%d", time.perf_counter() - start,
                 served_name, args.host, args.port)
     # uvicorn shuts down gracefully on SIGTERM and SIGINT, then re-raises the signal to the

@@ -74,6 +74,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="the format the model writes tool calls in, for tool_choice "
                              '"auto" (hermes: Qwen 2.5/3; llama3_json: Llama 3.1-3.3; '
                              "mistral; pythonic: Llama 4, Llama 3.2 1B/3B)")
+    parser.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                        help="keep the model's <think> reasoning apart from its answer, in "
+                             "reasoning_content")
     parser.add_argument("--headless", action="store_true",
                         help="serve nothing: run this node's ranks of a model that spans "
                              "nodes (--nnodes, --node-rank > 0), for the server on node 0")

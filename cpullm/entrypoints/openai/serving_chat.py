@@ -7,6 +7,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from cpullm.entrypoints.openai.protocol import ChatCompletionRequest, now, random_id
+from cpullm.entrypoints.openai.reasoning_parsers import (
+    ReasoningParser,
+    ReasoningStream,
+    get_reasoning_parser,
+)
 from cpullm.entrypoints.openai.serving_engine import (
     OpenAIError,
     ServingBase,
@@ -29,11 +34,14 @@ class ServingChat(ServingBase):
     route = "/v1/chat/completions"
 
     def __init__(self, *args: Any, tool_call_parser: str | None = None,
-                 enable_auto_tool_choice: bool = False) -> None:
+                 enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None
+                 ) -> None:
         super().__init__(*args)
         self.tool_parser: ToolParser | None = (
             None if tool_call_parser is None else get_tool_parser(tool_call_parser))
         self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.reasoning_parser: ReasoningParser | None = (
+            None if reasoning_parser is None else get_reasoning_parser(reasoning_parser))
 
     def tool_mode(self, request: ChatCompletionRequest) -> str | None:
         """None (no tools), "none", "auto", "required" or "named"; refuses what cannot be
@@ -83,8 +91,14 @@ class ServingChat(ServingBase):
 
     def message(self, request: ChatCompletionRequest, mode: str | None, text: str
                 ) -> tuple[dict[str, Any], bool]:
-        """The assistant message of a finished answer, and whether it calls tools."""
+        """The assistant message of a finished answer, and whether it calls tools. With a
+        reasoning parser, the reasoning is kept apart, out of the content and of the tool
+        calls' parsing (a required or named call's answer is the calls only)."""
         content: str | None = text
+        reasoning: str | None = None
+        if self.reasoning_parser is not None and mode not in ("required", "named"):
+            reasoning, content = self.reasoning_parser.split(text)
+            text = content or ""
         calls: list[ToolCall] = []
         if mode == "auto":
             assert self.tool_parser is not None
@@ -104,6 +118,8 @@ class ServingChat(ServingBase):
             except json.JSONDecodeError:
                 pass
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = [c.to_json() for c in calls]
         return message, bool(calls)
@@ -174,6 +190,7 @@ class ServingChat(ServingBase):
         created = now()
         completion_tokens = 0
         started: set[int] = set()
+        reasoning: dict[int, ReasoningStream] = {}
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
             return sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
@@ -184,13 +201,21 @@ class ServingChat(ServingBase):
                 for completion in output.outputs:
                     completion_tokens += len(completion.token_ids)
                     delta: dict[str, Any] = {}
+                    text, thought = completion.text, ""
+                    if self.reasoning_parser is not None:
+                        split = reasoning.setdefault(completion.index,
+                                                     ReasoningStream(self.reasoning_parser))
+                        thought, text = split.feed(completion.text,
+                                                   final=completion.finish_reason is not None)
                     if completion.index not in started:
                         # The role rides on the first generated token, not ahead of the
                         # prompt's computation: clients time their TTFT by the first chunk.
                         started.add(completion.index)
-                        delta = {"role": "assistant", "content": completion.text}
-                    elif completion.text:
-                        delta = {"content": completion.text}
+                        delta = {"role": "assistant", "content": text}
+                    elif text:
+                        delta = {"content": text}
+                    if thought:
+                        delta["reasoning_content"] = thought
                     extra = ({"usage": usage(num_prompt, completion_tokens)}
                              if request.usage_in_every_chunk else {})
                     yield chunk([self._choice(request, completion, delta, key="delta")], **extra)
@@ -229,6 +254,8 @@ class ServingChat(ServingBase):
                         continue
                     message, calls = self.message(request, mode, texts[index])
                     delta: dict[str, Any] = {}
+                    if message.get("reasoning_content"):
+                        delta["reasoning_content"] = message["reasoning_content"]
                     if message["content"]:
                         delta["content"] = message["content"]
                     if calls:
