@@ -63,6 +63,41 @@ def test_engine_failure_fails_requests_and_health(tiny_model):
         assert health.status_code == 500 and "injected fault" in health.text
 
 
+def assert_one_request_fails(engine, bad: dict, message: str) -> None:
+    """Four concurrent requests, two with the ``bad`` fields (one streaming): those get a
+    500 naming ``message`` (an SSE error event once the stream's headers are out), the
+    good ones their 20 tokens; /health passes and every KV block comes back."""
+    with serving(engine) as url:
+        results: dict[str, httpx.Response] = {}
+
+        def post(name: str, body: dict) -> None:
+            results[name] = httpx.post(f"{url}/v1/completions", timeout=30, json={
+                "prompt": "Hello there", "max_tokens": 20, "ignore_eos": True, **body})
+
+        posts = [threading.Thread(target=post, args=a) for a in (
+            ("good", {}), ("bad", bad), ("bad_stream", {**bad, "stream": True}),
+            ("good_stream", {"stream": True}))]
+        for p in posts:
+            p.start()
+        for p in posts:
+            p.join()
+        assert results["bad"].status_code == 500
+        assert message in results["bad"].json()["error"]["message"]
+        assert results["bad_stream"].status_code == 200  # headers went out before the fault
+        assert '"code": 500' in results["bad_stream"].text
+        assert results["good"].status_code == 200
+        assert results["good"].json()["usage"]["completion_tokens"] == 20
+        assert results["good_stream"].text.count('"text"') >= 20
+        assert httpx.get(f"{url}/health").status_code == 200
+        deadline = time.monotonic() + 10  # the failed requests' KV blocks come back
+        while True:
+            stats = engine.stats
+            if stats.num_free_blocks == stats.num_blocks and stats.num_running == 0:
+                break
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.05)
+
+
 @pytest.mark.parametrize("engine_kind", ["thread", "process"])
 def test_a_fault_in_one_request_fails_that_request_only(tiny_model, monkeypatch, engine_kind):
     """A detokenizer that raises for one request: that request gets a 500 (an SSE error
@@ -86,35 +121,7 @@ def test_a_fault_in_one_request_fails_that_request_only(tiny_model, monkeypatch,
     else:
         config = args.create_engine_config()
         engine = AsyncMPEngine(config, Frontend(config))
-    with serving(engine) as url:
-        results: dict[str, httpx.Response] = {}
-
-        def post(name: str, body: dict) -> None:
-            results[name] = httpx.post(f"{url}/v1/completions", timeout=30, json={
-                "prompt": "Hello there", "max_tokens": 20, "ignore_eos": True, **body})
-
-        posts = [threading.Thread(target=post, args=a) for a in (
-            ("good", {}), ("bad", {"stop": ["BOOM"]}),
-            ("bad_stream", {"stop": ["BOOM"], "stream": True}), ("good_stream", {"stream": True}))]
-        for p in posts:
-            p.start()
-        for p in posts:
-            p.join()
-        assert results["bad"].status_code == 500
-        assert "injected detokenizer fault" in results["bad"].json()["error"]["message"]
-        assert results["bad_stream"].status_code == 200  # headers went out before the fault
-        assert '"code": 500' in results["bad_stream"].text
-        assert results["good"].status_code == 200
-        assert results["good"].json()["usage"]["completion_tokens"] == 20
-        assert results["good_stream"].text.count('"text"') >= 20
-        assert httpx.get(f"{url}/health").status_code == 200
-        deadline = time.monotonic() + 10  # the failed requests' KV blocks come back
-        while True:
-            stats = engine.stats
-            if stats.num_free_blocks == stats.num_blocks and stats.num_running == 0:
-                break
-            assert time.monotonic() < deadline, stats
-            time.sleep(0.05)
+    assert_one_request_fails(engine, {"stop": ["BOOM"]}, "injected detokenizer fault")
 
 
 def test_a_fault_in_one_requests_sampling_fails_that_request_only(tiny_model, monkeypatch):
@@ -133,33 +140,4 @@ def test_a_fault_in_one_requests_sampling_fails_that_request_only(tiny_model, mo
     monkeypatch.setattr(sampler.Sampler, "_apply_penalties", faulty_penalties)
     engine = AsyncEngine(LLMEngine.from_engine_args(EngineArgs(
         model=str(tiny_model("llama")), dtype="float32", block_size=32, max_model_len=512)))
-    with serving(engine) as url:
-        results: dict[str, httpx.Response] = {}
-
-        def post(name: str, body: dict) -> None:
-            results[name] = httpx.post(f"{url}/v1/completions", timeout=30, json={
-                "prompt": "Hello there", "max_tokens": 20, "ignore_eos": True, **body})
-
-        bad = {"presence_penalty": 1.5}
-        posts = [threading.Thread(target=post, args=a) for a in (
-            ("good", {}), ("bad", bad), ("bad_stream", {**bad, "stream": True}),
-            ("good_stream", {"stream": True}))]
-        for p in posts:
-            p.start()
-        for p in posts:
-            p.join()
-        assert results["bad"].status_code == 500
-        assert "injected sampler fault" in results["bad"].json()["error"]["message"]
-        assert results["bad_stream"].status_code == 200  # headers went out before the fault
-        assert '"code": 500' in results["bad_stream"].text
-        assert results["good"].status_code == 200
-        assert results["good"].json()["usage"]["completion_tokens"] == 20
-        assert results["good_stream"].text.count('"text"') >= 20
-        assert httpx.get(f"{url}/health").status_code == 200
-        deadline = time.monotonic() + 10
-        while True:
-            stats = engine.stats
-            if stats.num_free_blocks == stats.num_blocks and stats.num_running == 0:
-                break
-            assert time.monotonic() < deadline, stats
-            time.sleep(0.05)
+    assert_one_request_fails(engine, {"presence_penalty": 1.5}, "injected sampler fault")

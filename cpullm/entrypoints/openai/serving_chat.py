@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from cpullm.entrypoints.openai.protocol import ChatCompletionRequest, now, random_id
@@ -185,16 +185,22 @@ class ServingChat(ServingBase):
             response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
         return response
 
-    async def _stream(self, request: ChatCompletionRequest, response_id: str, num_prompt: int,
-                      stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    def _chunker(self, response_id: str) -> Callable[..., str]:
+        """The SSE event of a chunk of this response: its choices, and any extra fields."""
         created = now()
-        completion_tokens = 0
-        started: set[int] = set()
-        reasoning: dict[int, ReasoningStream] = {}
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
             return sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
                         "model": self.served_model_name, "choices": choices, **extra})
+
+        return chunk
+
+    async def _stream(self, request: ChatCompletionRequest, response_id: str, num_prompt: int,
+                      stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+        chunk = self._chunker(response_id)
+        completion_tokens = 0
+        started: set[int] = set()
+        reasoning: dict[int, ReasoningStream] = {}
 
         try:
             async for output in stream:
@@ -231,13 +237,9 @@ class ServingChat(ServingBase):
         """A stream whose answer may be tool calls: the role at the first token, then, when
         each choice finishes, its content and its tool calls (each call whole, in one
         delta with its index, id, name and arguments, as OpenAI's streams allow)."""
-        created = now()
+        chunk = self._chunker(response_id)
         completion_tokens = 0
         texts: dict[int, str] = {}
-
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-            return sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
-                        "model": self.served_model_name, "choices": choices, **extra})
 
         try:
             async for output in stream:
