@@ -196,8 +196,12 @@ class GuidedDecoding:
             request_id = request_ids[row]
             matcher = self._matchers.get(request_id)
             if matcher is None:
-                matcher = llguidance.LLMatcher(self._tokenizer,
-                                               grammar_of(params[row].structured_outputs))
+                try:  # (checked in the front end already; a failure here fails the request)
+                    matcher = llguidance.LLMatcher(self._tokenizer,
+                                                   grammar_of(params[row].structured_outputs))
+                except (ValueError, RuntimeError) as e:
+                    failed[request_id] = f"the grammar cannot be used: {e}"
+                    continue
                 self._matchers[request_id], self._consumed[request_id] = matcher, 0
             done = self._consumed[request_id]
             pending = output_token_ids[row][done:]  # e.g. after a restart; usually none
