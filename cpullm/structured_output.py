@@ -93,9 +93,12 @@ class StructuredOutputsParams:
                         raise ValueError(f"structured_outputs: the JSON schema is not JSON: "
                                          f"{e}") from None
                 schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
-            text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+            # (ensure_ascii=False: llguidance reads a character beyond the BMP escaped as a
+            # surrogate pair as two lone surrogates, a grammar no token can follow)
+            text = schema if isinstance(schema, str) else json.dumps(
+                schema, sort_keys=True, ensure_ascii=False)
         elif kind == "choice":
-            text = json.dumps(value)
+            text = json.dumps(value, ensure_ascii=False)
         else:
             text = value
         return kind, text

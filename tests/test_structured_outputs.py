@@ -131,6 +131,15 @@ def test_a_grammar_that_cannot_compile_is_refused_before_the_engine(llm, params,
             max_tokens=4, structured_outputs=StructuredOutputsParams(**params)), use_tqdm=False)
 
 
+def test_characters_beyond_the_bmp_can_be_chosen(llm):
+    """A choice (or a schema's enum) outside the Basic Multilingual Plane: spelled as it
+    is, not as the surrogate pair JSON escapes it to, which no token could follow."""
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
+        choice=["\U00040000", "\U0001F600 ok"]))
+    text = llm.generate("Pick:", params, use_tqdm=False)[0].outputs[0].text
+    assert text in ("\U00040000", "\U0001F600 ok")
+
+
 def test_structured_outputs_params_take_exactly_one_kind():
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams()
