@@ -26,6 +26,8 @@ import torch
 
 # The kinds a request may ask for, exactly one per request.
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# A mask that allows this many tokens or fewer is checked token by token (GuidedDecoding)
+_NARROW_MASK = 8
 
 
 @dataclass
@@ -133,6 +135,17 @@ def llg_tokenizer(tokenizer: Any) -> Any:
     return llguidance.hf.from_tokenizer(tokenizer)
 
 
+def writable_bytes(tokenizer: Any) -> frozenset[int]:
+    """The bytes some (non-special) token of an llguidance tokenizer holds: a byte-level
+    vocabulary may lack a few (SmolLM2's lacks 0xf1-0xf3, which start every character of
+    planes 4-15), and text needing one can never be written."""
+    held: set[int] = set()
+    for token in range(tokenizer.vocab_size):
+        if not tokenizer.is_special_token(token):
+            held.update(tokenizer.decode_bytes([token]))
+    return frozenset(held)
+
+
 class GrammarChecker:
     """The front end's check of a request's grammar against the model's tokenizer: each
     distinct grammar compiled once."""
@@ -145,23 +158,45 @@ class GrammarChecker:
     def _tokenizer(self) -> Any:
         return llg_tokenizer(self._hf_tokenizer)
 
+    @functools.cached_property
+    def _writable(self) -> frozenset[int]:
+        return writable_bytes(self._tokenizer)
+
     def warm(self) -> None:
         """Read the vocabulary now (0.6 s for 49,152 tokens), not at the first request."""
-        _ = self._tokenizer
+        _ = self._writable
 
     def check(self, params: StructuredOutputsParams) -> None:
         """Raise ValueError naming the problem if the grammar cannot be used."""
-        import llguidance
-
         key = params.key()
         if key not in self._checked:
             if len(self._checked) > 4096:
                 self._checked.clear()
-            grammar = grammar_of(params)
-            self._checked[key] = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+            self._checked[key] = self._problem(params)
         if self._checked[key]:
             raise ValueError(f"structured_outputs: the {key[0]} cannot be used: "
                              f"{self._checked[key]}")
+
+    def _problem(self, params: StructuredOutputsParams) -> str:
+        """Why the grammar cannot be used ("" if it can): it does not compile, or it spells
+        (or, escaped, starts with) characters needing bytes no token of the vocabulary
+        holds, which llguidance's mask would spell with other tokens its matcher refuses.
+        (A character spelled in a negated class is refused too.)"""
+        import llguidance
+
+        grammar = grammar_of(params)
+        problem = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        if problem:
+            return problem
+        unwritable = sorted(c for c in set(params.key()[1])
+                            if not set(c.encode(errors="surrogatepass")) <= self._writable)
+        if unwritable:
+            return f"it holds characters no token of this model can write: {unwritable}"
+        forced = llguidance.LLMatcher(self._tokenizer, grammar).compute_ff_bytes()
+        if not set(forced) <= self._writable:
+            return (f"it starts with {forced.decode(errors='replace')!r}, which has "
+                    "characters no token of this model can write")
+        return ""
 
 
 class GuidedDecoding:
@@ -226,7 +261,34 @@ class GuidedDecoding:
         allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().view(len(kept), -1)
         if allowed.shape[1] < self.vocab_size:  # ids past the tokenizer's: never allowed
             allowed = torch.nn.functional.pad(allowed, (0, self.vocab_size - allowed.shape[1]))
-        return guided, allowed[:, :self.vocab_size], failed
+        allowed = allowed[:, :self.vocab_size]
+        left = self._check_narrow_masks([request_ids[row] for row in guided], allowed)
+        for row, any_left in zip(guided, left, strict=True):
+            if not any_left:
+                failed[request_ids[row]] = ("the grammar asks for characters no token of "
+                                            "this model can write")
+        if not all(left):
+            guided = [row for row, ok in zip(guided, left, strict=True) if ok]
+            allowed = allowed[torch.tensor(left)]
+        return guided, (allowed if guided else None), failed
+
+    def _check_narrow_masks(self, request_ids: list[str], allowed: torch.Tensor) -> list[bool]:
+        """Clear from each narrow mask (a grammar's forced text) the tokens its matcher
+        refuses: llguidance forces the tokens the tokenizer would spell the text with, and
+        where the vocabulary lacks one of its bytes, those tokens spell other text. Whether
+        each row has a token left; a wide mask is the lexer's own and kept as it is."""
+        left = []
+        for i, count in enumerate(allowed.sum(dim=1).tolist()):
+            if count <= _NARROW_MASK:
+                matcher = self._matchers[request_ids[i]]
+                for token in allowed[i].nonzero().flatten().tolist():
+                    # (special tokens, such as the end of text, spell no bytes)
+                    if (not self._tokenizer.is_special_token(token)
+                            and not matcher.validate_tokens([token])):
+                        allowed[i, token] = False
+                count = int(allowed[i].sum())
+            left.append(count > 0)
+        return left
 
     def advance(self, request_id: str, token: int) -> str | None:
         """Feed a guided request's sampled token to its matcher; why it failed, or None."""

@@ -135,9 +135,42 @@ def test_characters_beyond_the_bmp_can_be_chosen(llm):
     """A choice (or a schema's enum) outside the Basic Multilingual Plane: spelled as it
     is, not as the surrogate pair JSON escapes it to, which no token could follow."""
     params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
-        choice=["\U00040000", "\U0001F600 ok"]))
+        choice=["\U0001F680", "\U0001F600 ok"]))
     text = llm.generate("Pick:", params, use_tqdm=False)[0].outputs[0].text
-    assert text in ("\U00040000", "\U0001F600 ok")
+    assert text in ("\U0001F680", "\U0001F600 ok")
+
+
+# SmolLM2's vocabulary holds no 0xf1 byte, which starts every character from U+40000 to
+# U+7FFFF: no output can hold one
+UNWRITABLE = "\U00040000"
+
+
+@pytest.mark.parametrize("params", [dict(choice=["yes", UNWRITABLE]),
+                                    dict(regex=f"{UNWRITABLE}+"),
+                                    dict(json={"enum": [UNWRITABLE]}),
+                                    dict(regex=r"\x{40000}|\x{40001}"),
+                                    dict(regex=f"(a|b{UNWRITABLE})c")])
+def test_a_grammar_no_token_can_write_is_refused(llm, params):
+    with pytest.raises(ValueError, match="no token of this model can write"):
+        llm.generate("hi", SamplingParams(
+            max_tokens=4, structured_outputs=StructuredOutputsParams(**params)), use_tqdm=False)
+
+
+def test_text_no_token_can_write_fails_the_request_when_the_grammar_reaches_it(llm):
+    """Text the front end cannot see (escaped, past the start) fails its request alone
+    when the grammar gets there: llguidance's mask would allow the tokens the tokenizer
+    spells it with (other bytes), which its matcher then refuses."""
+    from cpullm.structured_output import GuidedDecoding
+
+    tokenizer = llm.get_tokenizer()
+    guided = GuidedDecoding(lambda: tokenizer, len(tokenizer))
+    params = [SamplingParams(structured_outputs=StructuredOutputsParams(
+        regex=r"(a|b\x{40000})c")) for _ in range(2)]
+    a, b = tokenizer.convert_tokens_to_ids(["a", "b"])
+    rows, allowed, failed = guided.masks(["took a", "took b"], params, [[a], [b]])
+    assert rows == [0] and set(failed) == {"took b"}
+    assert "no token of this model can write" in failed["took b"]
+    assert allowed[0].nonzero().flatten().tolist() == tokenizer.convert_tokens_to_ids(["c"])
 
 
 def test_structured_outputs_params_take_exactly_one_kind():
