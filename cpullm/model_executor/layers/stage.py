@@ -60,6 +60,34 @@ def run_layers(layers: nn.ModuleList, positions: torch.Tensor, hidden: torch.Ten
     return hidden, residual
 
 
+class StagedDecoder(nn.Module):
+    """A decoder model's body as a pipeline stage holds it: subclasses hold
+    ``embed_tokens`` (first stage), ``layers`` (``build_layers``) and ``norm`` (last stage),
+    and say in ``embed`` how token ids become the first hidden states."""
+
+    layers: nn.ModuleList
+    norm: nn.Module
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: Any,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states; on a stage before the last, (hidden, residual) for the
+        next stage, which passes them as ``intermediate``."""
+        if intermediate is None:
+            hidden, residual = self.embed(input_ids), None  # [num_tokens, hidden_size]
+        else:
+            hidden, residual = intermediate
+        hidden, residual = run_layers(self.layers, positions, hidden, residual, kv_caches, meta)
+        if not distributed.layout().is_last_stage:
+            return hidden, residual
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
 def skipped_prefixes(model: nn.Module) -> tuple[str, ...]:
     """The names (with a trailing dot) of the modules another stage holds."""
     return tuple(f"{name}." for name, module in model.named_modules()

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpullm import distributed
 from cpullm.model_executor.layers.attention import AttentionMetadata
 from cpullm.model_executor.layers.embedding import LMHead, VocabEmbedding
 from cpullm.model_executor.layers.linear import MergedColumnLinear, RowParallelLinear
@@ -30,10 +29,10 @@ from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import QuantizationConfig
 from cpullm.model_executor.layers.rotary import RotaryEmbedding
 from cpullm.model_executor.layers.stage import (
+    StagedDecoder,
     build_layers,
     first_stage_only,
     last_stage_only,
-    run_layers,
 )
 from cpullm.model_executor.loader.weights import load_named_weights
 from cpullm.model_executor.models.llama import (
@@ -107,7 +106,7 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
-class GemmaModel(nn.Module):
+class GemmaModel(StagedDecoder):
     def __init__(self, config: Any, max_position: int, version: int, dtype: torch.dtype,
                  ops: KernelTable | None, quant_config: QuantizationConfig | None) -> None:
         super().__init__()
@@ -133,23 +132,10 @@ class GemmaModel(nn.Module):
         self.norm = last_stage_only(
             lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """As LlamaModel's: (hidden, residual) on a stage before the last."""
-        if intermediate is None:
-            hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-            # the scale rounded as transformers rounds it: to float32, then the compute dtype
-            hidden = hidden * torch.tensor(self.hidden_size ** 0.5).to(hidden.dtype)
-            residual = None
-        else:
-            hidden, residual = intermediate
-        hidden, residual = run_layers(self.layers, positions, hidden, residual, kv_caches, meta)
-        if not distributed.layout().is_last_stage:
-            return hidden, residual
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        # the scale rounded as transformers rounds it: to float32, then the compute dtype
+        return hidden * torch.tensor(self.hidden_size ** 0.5).to(hidden.dtype)
 
 
 class GemmaForCausalLM(nn.Module):

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from cpullm import distributed
 from cpullm.model_executor.layers.attention import AttentionMetadata, PagedAttention
 from cpullm.model_executor.layers.embedding import LMHead, VocabEmbedding
 from cpullm.model_executor.layers.linear import GateUpSiluLinear, QKVLinear, RowParallelLinear
@@ -26,10 +25,10 @@ from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import QuantizationConfig
 from cpullm.model_executor.layers.rotary import RotaryEmbedding
 from cpullm.model_executor.layers.stage import (
+    StagedDecoder,
     build_layers,
     first_stage_only,
     last_stage_only,
-    run_layers,
 )
 from cpullm.model_executor.loader.weights import load_named_weights
 
@@ -135,7 +134,7 @@ class LlamaDecoderLayer(nn.Module):
         return hidden if self.residual_multiplier == 1.0 else hidden * self.residual_multiplier
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(StagedDecoder):
     def __init__(self, config: Any, max_position: int, flags: dict[str, bool],
                  dtype: torch.dtype, ops: KernelTable | None,
                  quant_config: QuantizationConfig | None,
@@ -155,24 +154,9 @@ class LlamaModel(nn.Module):
             lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops))
         self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The final hidden states; on a pipeline stage before the last, (hidden,
-        residual) for the next stage, which passes them as ``intermediate``."""
-        if intermediate is None:
-            hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-            if self.embedding_multiplier != 1.0:
-                hidden = hidden * self.embedding_multiplier
-            residual = None
-        else:
-            hidden, residual = intermediate
-        hidden, residual = run_layers(self.layers, positions, hidden, residual, kv_caches, meta)
-        if not distributed.layout().is_last_stage:
-            return hidden, residual
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        return hidden if self.embedding_multiplier == 1.0 else hidden * self.embedding_multiplier
 
 
 class LlamaForCausalLM(nn.Module):
