@@ -9,7 +9,7 @@ import httpx
 import jsonschema
 import pytest
 
-from cpullm.entrypoints.openai.tool_parsers import get_tool_parser
+from cpullm.entrypoints.openai.tool_parsers import ToolCallStream, get_tool_parser
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                             "unit": {"enum": ["C", "F"]}},
@@ -63,6 +63,62 @@ def test_parsers_on_canned_answers(parser, text, expected):
     assert calls(parser, text) == expected
 
 
+def streamed(stream: ToolCallStream, text: str, seed: int) -> tuple[str, list, list[int]]:
+    """The answer fed in random pieces of 1-5 characters: (content, [(name, arguments)],
+    how many deltas each call came in)."""
+    import random
+
+    rng, pieces, i = random.Random(seed), [], 0
+    while i < len(text):
+        size = rng.randint(1, 5)
+        pieces.append(text[i:i + size])
+        i += size
+    content, found = "", {}
+    for n, piece in enumerate(pieces):
+        more, deltas = stream.feed(piece, final=n == len(pieces) - 1)
+        content += more
+        for delta in deltas:
+            name, arguments, count = found.get(delta["index"], ("", "", 0))
+            assert ("id" in delta) == (count == 0)  # the id and name first, once
+            found[delta["index"]] = (name + delta["function"].get("name", ""),
+                                     arguments + delta["function"]["arguments"], count + 1)
+    calls = [found[i] for i in sorted(found)]
+    return content, [(name, arguments) for name, arguments, _ in calls], [c for *_, c in calls]
+
+
+# (the third hermes answer breaks inside its arguments: streamed, its call was begun)
+@pytest.mark.parametrize("parser,text,expected", [case for i, case in enumerate(CANNED) if i != 2])
+@pytest.mark.parametrize("seed", range(3))
+def test_streamed_calls_equal_the_whole_answers(parser, text, expected, seed):
+    """Fed in pieces as they are generated, each format's answer comes out as the same
+    content and calls as the finished answer parses to."""
+    content, found, _ = streamed(ToolCallStream("auto", get_tool_parser(parser)), text, seed)
+    expected_content, expected_calls = expected
+    assert [(name, json.loads(arguments)) for name, arguments in found] == expected_calls
+    if expected_calls:  # (the parse strips the content before the calls)
+        assert content.strip() == (expected_content or "")
+    else:
+        assert content == expected_content
+
+
+def test_streamed_arguments_come_in_fragments():
+    """Required and named calls (and JSON calls under auto) send each call's name first,
+    then its arguments as they are written; a call cut off by a tag stops there."""
+    required = ('[{"name":"add","parameters":{"a":1,"b":2}},{"name":"get_weather",'
+                '"parameters":{"city":"Oslo }{","unit":"C"}}]')
+    _, found, counts = streamed(ToolCallStream("required"), required, seed=0)
+    assert found == [("add", '{"a":1,"b":2}'),
+                     ("get_weather", '{"city":"Oslo }{","unit":"C"}')]
+    assert min(counts) > 2
+    _, found, counts = streamed(ToolCallStream("named", name="add"), '{"a":1,"b":2}', seed=0)
+    assert found == [("add", '{"a":1,"b":2}')] and counts[0] > 2
+    content, found, _ = streamed(ToolCallStream("required"), "[", seed=0)
+    assert (content, found) == ("[", [])  # cut before a call: the text as content
+    broken = '<tool_call>{"name": "add", "arguments": {"a": 1,</tool_call> ok'
+    _, found, _ = streamed(ToolCallStream("auto", get_tool_parser("hermes")), broken, seed=0)
+    assert found == [("add", '{"a": 1,')]
+
+
 def test_an_unknown_parser_is_refused_by_name():
     with pytest.raises(ValueError, match="'nope' is not supported; supported: hermes"):
         get_tool_parser("nope")
@@ -88,16 +144,18 @@ def client(server):
 ASK = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
 
 
-def _stream_calls(stream) -> tuple[list[tuple[str, str]], str | None]:
+def _stream_calls(stream) -> tuple[list[tuple[str, str]], str | None, int]:
+    """The streamed calls, the finish reason, and the fewest deltas a call came in."""
     found, finish = {}, None
     for chunk in stream:
         for choice in chunk.choices:
             for call in choice.delta.tool_calls or []:
-                name, arguments = found.get(call.index, ("", ""))
+                name, arguments, count = found.get(call.index, ("", "", 0))
                 found[call.index] = (name + (call.function.name or ""),
-                                     arguments + (call.function.arguments or ""))
+                                     arguments + (call.function.arguments or ""), count + 1)
             finish = choice.finish_reason or finish
-    return [found[i] for i in sorted(found)], finish
+    calls = [found[i] for i in sorted(found)]
+    return [c[:2] for c in calls], finish, min((c[2] for c in calls), default=0)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -110,7 +168,8 @@ def test_required_and_named_calls_validate(client, choice, stream):
             model="default", messages=ASK, tools=TOOLS, tool_choice=tool_choice, seed=seed,
             temperature=1.0, max_tokens=200, stream=stream)
         if stream:
-            found, finish = _stream_calls(response)
+            found, finish, fewest = _stream_calls(response)
+            assert fewest > 1  # the name, then the arguments as they were written
         else:
             message = response.choices[0].message
             found = [(c.function.name, c.function.arguments) for c in message.tool_calls]

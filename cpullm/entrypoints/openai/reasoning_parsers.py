@@ -77,7 +77,7 @@ class ReasoningStream:
         self.text += delta
         text = self.text
         if not final:
-            text = _hold_back(text)
+            text = hold_back(text)
             if not self._decided(text):
                 return "", ""
         reasoning, content = self._parts(text, final)
@@ -103,10 +103,8 @@ class ReasoningStream:
         return "", text
 
 
-def _hold_back(text: str) -> str:
-    """``text`` without a tail that could be the start of a tag still arriving."""
-    for tag in (END, START):
-        for length in range(min(len(tag) - 1, len(text)), 0, -1):
-            if text.endswith(tag[:length]):
-                return text[:-length]
-    return text
+def hold_back(text: str, tags: tuple[str, ...] = (END, START)) -> str:
+    """``text`` without a tail that could be the start of one of ``tags`` still arriving."""
+    held = max((length for tag in tags for length in range(1, min(len(tag) - 1, len(text)) + 1)
+                if text.endswith(tag[:length])), default=0)
+    return text[:len(text) - held]

@@ -21,7 +21,12 @@ from cpullm.entrypoints.openai.serving_engine import (
     top_entries,
     usage,
 )
-from cpullm.entrypoints.openai.tool_parsers import ToolCall, ToolParser, get_tool_parser
+from cpullm.entrypoints.openai.tool_parsers import (
+    ToolCall,
+    ToolCallStream,
+    ToolParser,
+    get_tool_parser,
+)
 from cpullm.outputs import CompletionOutput, Logprob, RequestOutput
 from cpullm.structured_output import StructuredOutputsParams
 
@@ -234,40 +239,44 @@ class ServingChat(ServingBase):
     async def _stream_tools(self, request: ChatCompletionRequest, mode: str, response_id: str,
                             num_prompt: int, stream: AsyncIterator[RequestOutput]
                             ) -> AsyncIterator[str]:
-        """A stream whose answer may be tool calls: the role at the first token, then, when
-        each choice finishes, its content and its tool calls (each call whole, in one
-        delta with its index, id, name and arguments, as OpenAI's streams allow)."""
+        """A stream whose answer may be tool calls, as OpenAI streams them: the role at the
+        first token, content as it comes, and each call's index, id and name, then its
+        arguments in fragments (``ToolCallStream``); ``finish_reason`` "tool_calls" when the
+        answer called tools. A reasoning parser's reasoning goes out first, apart."""
         chunk = self._chunker(response_id)
         completion_tokens = 0
-        texts: dict[int, str] = {}
+        calls: dict[int, ToolCallStream] = {}
+        reasoning: dict[int, ReasoningStream] = {}
+        name = "" if isinstance(request.tool_choice, str | None) else \
+            request.tool_choice.function.name
 
         try:
             async for output in stream:
                 for completion in output.outputs:
                     completion_tokens += len(completion.token_ids)
-                    index = completion.index
-                    if index not in texts:
-                        texts[index] = ""
-                        yield chunk([{"index": index, "delta": {"role": "assistant",
-                                                                "content": ""},
-                                      "logprobs": None, "finish_reason": None}])
-                    texts[index] += completion.text
-                    if completion.finish_reason is None:
-                        continue
-                    message, calls = self.message(request, mode, texts[index])
+                    index, final = completion.index, completion.finish_reason is not None
                     delta: dict[str, Any] = {}
-                    if message.get("reasoning_content"):
-                        delta["reasoning_content"] = message["reasoning_content"]
-                    if message["content"]:
-                        delta["content"] = message["content"]
-                    if calls:
-                        delta["tool_calls"] = [{"index": i, **call} for i, call in
-                                               enumerate(message["tool_calls"])]
-                    finish = ("tool_calls" if calls and completion.finish_reason == "stop"
-                              else completion.finish_reason)
-                    yield chunk([{"index": index, "delta": delta, "logprobs": None,
-                                  "finish_reason": finish,
-                                  "stop_reason": completion.stop_reason}])
+                    if index not in calls:
+                        calls[index] = ToolCallStream(mode, self.tool_parser, name)
+                        delta = {"role": "assistant", "content": ""}
+                    text = completion.text
+                    if self.reasoning_parser is not None and mode == "auto":
+                        split = reasoning.setdefault(index, ReasoningStream(self.reasoning_parser))
+                        thought, text = split.feed(text, final=final)
+                        if thought:
+                            delta["reasoning_content"] = thought
+                    content, tool_calls = calls[index].feed(text, final=final)
+                    if content:
+                        delta["content"] = content
+                    if tool_calls:
+                        delta["tool_calls"] = tool_calls
+                    finish = completion.finish_reason
+                    if finish == "stop" and calls[index].called:
+                        finish = "tool_calls"
+                    if delta or final:
+                        yield chunk([{"index": index, "delta": delta, "logprobs": None,
+                                      "finish_reason": finish,
+                                      "stop_reason": completion.stop_reason}])
             if request.usage_at_end:
                 yield chunk([], usage=usage(num_prompt, completion_tokens))
         except OpenAIError as e:
