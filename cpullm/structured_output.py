@@ -17,8 +17,10 @@ for a nested JSON schema is ready in 0.3-0.7 ms and a mask takes ~60 us a token.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
+import threading
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -203,14 +205,32 @@ class GuidedDecoding:
     """The model runner's matchers, one per guided request."""
 
     def __init__(self, tokenizer_loader: Any, vocab_size: int) -> None:
-        self._load_tokenizer = tokenizer_loader  # called once, at the first guided request
+        self._load_tokenizer = tokenizer_loader  # called once (``warm``, or when first needed)
         self.vocab_size = vocab_size
         self._matchers: dict[str, Any] = {}
         self._consumed: dict[str, int] = {}  # request id -> output tokens its matcher took
+        self._loading: concurrent.futures.Future[Any] | None = None
 
-    @functools.cached_property
+    def warm(self) -> None:
+        """Read the vocabulary (0.6-1 s) in a thread now, while the engine starts, not in
+        the step of the first guided request, which every request in it would wait for."""
+        if self._loading is None:
+            self._loading = concurrent.futures.Future()
+            threading.Thread(target=self._load, name="grammar-vocabulary", daemon=True).start()
+
+    def _load(self) -> None:
+        assert self._loading is not None
+        try:
+            self._loading.set_result(llg_tokenizer(self._load_tokenizer()))
+        except Exception as e:  # (raised again where the vocabulary is needed)
+            self._loading.set_exception(e)
+
+    @property
     def _tokenizer(self) -> Any:
-        return llg_tokenizer(self._load_tokenizer())
+        if self._loading is None:
+            self._loading = concurrent.futures.Future()
+            self._load()
+        return self._loading.result()
 
     def drop(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)

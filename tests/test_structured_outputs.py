@@ -105,6 +105,30 @@ def test_guided_and_free_requests_share_a_batch(llm):
     assert mixed[1].outputs[0].text in ("blue", "red")
 
 
+def test_a_grammar_with_stop_strings_logprobs_and_a_cached_prefix(llm):
+    """A stop string cuts a guided answer where it appears (what is left is the start of a
+    match); logprobs come for every token; the same request again, its prompt now a cached
+    prefix, samples the same answer."""
+    import regex
+
+    pattern = r"[a-z]{3,10}( [a-z]{2,10}){4,8}\."
+    prompt = "Write one short sentence about the sea, in lower case. " * 30  # > 2 blocks
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=80, logprobs=2, n=2,
+                            stop=[" the ", " a "],
+                            structured_outputs=StructuredOutputsParams(regex=pattern))
+    first, again = (llm.generate(prompt, params, use_tqdm=False)[0] for _ in range(2))
+    assert again.num_cached_tokens >= 256
+    assert [c.text for c in again.outputs] == [c.text for c in first.outputs]
+    for completion in first.outputs:
+        if completion.finish_reason == "stop" and completion.stop_reason is not None:
+            assert regex.fullmatch(pattern, completion.text, partial=True), completion.text
+        else:
+            assert re.fullmatch(pattern, completion.text), completion.text
+        assert len(completion.logprobs) == len(completion.token_ids)
+        for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+            assert token in entry and len(entry) <= 3
+
+
 def test_grammar_survives_preemption(tiny_model):
     """A tiny random model, a KV cache small enough to preempt: the regex still holds."""
     llm = LLM(str(tiny_model("llama")), dtype="float32", block_size=32,

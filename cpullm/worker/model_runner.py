@@ -111,6 +111,8 @@ class ModelRunner:
         self.guided = GuidedDecoding(lambda: load_tokenizer(
             model_config.source, model_config.tokenizer, model_config.hf_config),
             model_config.vocab_size)
+        if self.layout.rank == self.layout.output_rank:  # the rank that samples
+            self.guided.warm()
         self._bound_thread: int | None = None
         self._caller_affinity: set[int] | None = None  # of the bound thread, before binding
 
