@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 # The kinds a request may ask for, exactly one per request.
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # A mask that allows this many tokens or fewer is checked token by token (GuidedDecoding)
 _NARROW_MASK = 8
 
@@ -36,14 +36,16 @@ _NARROW_MASK = 8
 class StructuredOutputsParams:
     """vLLM's structured-output parameters: exactly one of ``json`` (a JSON schema, as a
     dict or its text), ``regex``, ``choice`` (a list of strings), ``grammar`` (Lark or GBNF/
-    EBNF) or ``json_object`` (any JSON object)."""
+    EBNF), ``json_object`` (any JSON object) or ``structural_tag`` (free text in which
+    each trigger opens a tagged JSON of a schema, as {"structures": [{"begin", "schema",
+    "end"}], "triggers": [...]} or its text)."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    structural_tag: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
     # vLLM's options: disable_any_whitespace keeps JSON compact (no whitespace between
     # tokens of the syntax); the others are accepted (llguidance never falls back)
     disable_fallback: bool = False
@@ -52,8 +54,6 @@ class StructuredOutputsParams:
     whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
-        if self.structural_tag is not None:
-            raise ValueError("structured_outputs: structural_tag is not supported yet")
         given = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
             raise ValueError("structured_outputs: exactly one of json, regex, choice, grammar "
@@ -65,9 +65,11 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"structured_outputs: {name} must be a string")
-        if self.json is not None and not isinstance(self.json, str | dict):
-            raise ValueError("structured_outputs: json must be a JSON schema (an object or its "
-                             "text)")
+        for name in ("json", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str | dict):
+                raise ValueError(f"structured_outputs: {name} must be an object or its JSON "
+                                 "text")
 
     @classmethod
     def from_dict(cls, value: object) -> StructuredOutputsParams:
@@ -101,8 +103,8 @@ class StructuredOutputsParams:
             # surrogate pair as two lone surrogates, a grammar no token can follow)
             text = schema if isinstance(schema, str) else json.dumps(
                 schema, sort_keys=True, ensure_ascii=False)
-        elif kind == "choice":
-            text = json.dumps(value, ensure_ascii=False)
+        elif kind == "choice" or (kind == "structural_tag" and isinstance(value, dict)):
+            text = json.dumps(value, ensure_ascii=False, sort_keys=kind != "choice")
         else:
             text = value
         return kind, text
@@ -117,12 +119,50 @@ def _grammar(kind: str, text: str) -> str:
             json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"structured_outputs: the JSON schema is not JSON: {e}") from None
+    if kind == "structural_tag":
+        kind, text = "grammar", _structural_tag_grammar(text)
     source = {"json": "json_schema", "json_object": "json_schema", "regex": "regex",
               "choice": "choice", "grammar": "grammar"}[kind]
     try:
         return llguidance.grammar_from(source, text)
     except (ValueError, RuntimeError) as e:
         raise ValueError(f"structured_outputs: the {kind} cannot be compiled: {e}") from None
+
+
+def _structural_tag_grammar(text: str) -> str:
+    """The Lark grammar of a structural tag (vLLM's shape): any text, in which a trigger
+    must go on as one of the structures that begin with it (its begin, JSON of its schema,
+    its end), then any text again. A trigger written <...> is the special token of that
+    name, as vLLM takes it."""
+    import llguidance
+
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"structured_outputs: the structural_tag is not JSON: {e}") from None
+    problem = "structured_outputs: structural_tag needs structures (a list of {begin, " \
+              "schema, end}) and triggers (a list of strings)"
+    if not isinstance(spec, dict):
+        raise ValueError(problem)
+    structures, triggers = spec.get("structures"), spec.get("triggers")
+    if not (isinstance(structures, list) and structures and isinstance(triggers, list)
+            and triggers and all(isinstance(t, str) and t for t in triggers)):
+        raise ValueError(problem)
+    tags = []
+    for i, structure in enumerate(structures):
+        if not (isinstance(structure, dict) and isinstance(structure.get("begin"), str)
+                and isinstance(structure.get("end", ""), str)
+                and isinstance(structure.get("schema", {}), dict)):
+            raise ValueError(f"{problem}: structure {i} is not")
+        begin = structure["begin"]
+        trigger = next((t for t in triggers if begin.startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"structured_outputs: structure {i} begins with {begin!r}, which "
+                             f"no trigger ({triggers}) begins")
+        tags.append(llguidance.StructTag(trigger=trigger, begin=begin,
+                                         grammar=structure.get("schema") or {"type": "object"},
+                                         end=structure.get("end", "")))
+    return llguidance.StructTag.to_grammar(tags)
 
 
 def grammar_of(params: StructuredOutputsParams) -> str:

@@ -202,8 +202,56 @@ def test_structured_outputs_params_take_exactly_one_kind():
         StructuredOutputsParams()
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams(regex="a", choice=["a"])
-    with pytest.raises(ValueError, match="structural_tag is not supported"):
-        StructuredOutputsParams(structural_tag="{}")
+    with pytest.raises(ValueError, match="must be an object or its JSON text"):
+        StructuredOutputsParams(structural_tag=["a"])  # type: ignore[arg-type]
+
+
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                  "required": ["city"], "additionalProperties": False}
+WEATHER_TAG = {"structures": [{"begin": "<function=get_weather>", "schema": WEATHER_SCHEMA,
+                               "end": "</function>"}], "triggers": ["<function="]}
+FEW_SHOT = "".join(f'Q: weather in {city}?\nA: <function=get_weather>{{"city": "{city}"}}'
+                   "</function>\n" for city in ("Rome", "Oslo", "Lima"))
+FEW_SHOT += "Q: weather in Paris?\nA:"
+
+
+def check_tagged(text: str) -> int:
+    """Every trigger in the text goes on as the structure: its begin, JSON of its schema
+    and its end (the last may be cut by max_tokens); how many calls are whole."""
+    whole = 0
+    for part in text.split("<function=")[1:]:
+        if "</function>" not in part:
+            assert "get_weather>".startswith(part[:12]), text  # cut before the JSON's end
+            continue
+        body = part.split("</function>")[0]
+        assert body.startswith("get_weather>"), text
+        jsonschema.validate(json.loads(body.removeprefix("get_weather>")), WEATHER_SCHEMA)
+        whole += 1
+    return whole
+
+
+def test_a_structural_tag_holds_what_follows_each_trigger(llm):
+    """Free text, but each "<function=" goes on as the tagged call of the structure: its
+    name, arguments of its schema, its end (free, the model writes other names and
+    cities longer than the schema allows)."""
+    whole = 0
+    for spec in (WEATHER_TAG, json.dumps(WEATHER_TAG)):  # an object, or its text
+        params = SamplingParams(temperature=0.8, seed=3, max_tokens=60, n=3,
+                                structured_outputs=StructuredOutputsParams(structural_tag=spec))
+        for completion in llm.generate(FEW_SHOT, params, use_tqdm=False)[0].outputs:
+            whole += check_tagged(completion.text)
+    assert whole >= 2
+
+
+@pytest.mark.parametrize("spec,message", [
+    ({"structures": []}, "needs structures"),
+    ({"structures": [{"begin": "<f=x>", "schema": {}}], "triggers": ["<g="]}, "no trigger"),
+    ("{not json", "is not JSON"),
+])
+def test_a_bad_structural_tag_is_refused(llm, spec, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate("hi", SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(
+            structural_tag=spec)), use_tqdm=False)
 
 
 @pytest.fixture(scope="module")
@@ -276,6 +324,15 @@ def test_vllm_fields_in_extra_body(client, stream):
             assert holds(text), (extra, text)
 
 
+@pytest.mark.parametrize("extra", [
+    {"response_format": {"type": "structural_tag", **WEATHER_TAG}},
+    {"structured_outputs": {"structural_tag": json.dumps(WEATHER_TAG)}}])
+def test_structural_tag_through_the_server(client, extra):
+    completion = client.completions.create(model="default", prompt=FEW_SHOT, max_tokens=60,
+                                           temperature=0.8, seed=3, n=3, extra_body=extra)
+    assert sum(check_tagged(choice.text) for choice in completion.choices) >= 1
+
+
 def test_openai_parse_with_a_pydantic_model(client):
     from pydantic import BaseModel, Field
 
@@ -297,7 +354,8 @@ def test_openai_parse_with_a_pydantic_model(client):
      "needs json_schema.schema"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"structured_outputs": {"regex": "(unclosed"}}, "regex"),
-    ({"structured_outputs": {"structural_tag": "{}"}}, "structural_tag is not supported"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structural_tag needs structures"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<f"]}}, "needs structures"),
     ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "exactly one of"),
     ({"structured_outputs": {"colour": "blue"}}, "unknown fields"),
     ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "give one of"),

@@ -79,10 +79,13 @@ class JsonSchemaFormat(OpenAIModel):
 
 
 class ResponseFormat(OpenAIModel):
-    """OpenAI's ``response_format``: plain text, any JSON object, or JSON of a schema."""
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON of a schema; and
+    vLLM's structural tag (free text in which each trigger opens a tagged JSON)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
 
 class ErrorInfo(BaseModel):
@@ -154,6 +157,9 @@ class _SamplingFields(_Refusing):
                 raise ValueError("response_format: a json_schema format needs "
                                  "json_schema.schema")
             given.append(StructuredOutputsParams(json=fmt.json_schema.schema_))
+        elif fmt is not None and fmt.type == "structural_tag":
+            given.append(StructuredOutputsParams(structural_tag={
+                "structures": fmt.structures, "triggers": fmt.triggers}))
         if self.structured_outputs is not None:
             given.append(StructuredOutputsParams.from_dict(self.structured_outputs))
         guided = {kind: value for kind, value in (
