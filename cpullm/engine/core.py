@@ -21,6 +21,7 @@ from cpullm.engine.request import Request, RequestStatus
 from cpullm.engine.sched_output import LogprobsLists, SchedulerOutput
 from cpullm.engine.scheduler import Scheduler
 from cpullm.executor import Executor, create_executor
+from cpullm.pooling_params import PoolingParams
 from cpullm.sampling_params import SamplingParams
 from cpullm.utils import cdiv
 
@@ -31,7 +32,7 @@ class EngineCoreRequest:
 
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     arrival_time: float  # time.monotonic() when the front end received it
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
 
@@ -53,6 +54,7 @@ class EngineCoreOutput:
     first_token_time: float | None = None
     last_token_time: float | None = None
     error: str | None = None  # the sequence failed (finish_reason "error"): why
+    pooled: torch.Tensor | None = None  # a pooling request's output (float32), at its end
 
 
 @dataclass
@@ -135,13 +137,18 @@ class EngineCore:
         # 4. Advance requests; token stops (eos, stop ids, length) end them here.
         for request in scheduler.update_from_output(scheduler_output,
                                                     runner_output.sampled_token_ids,
-                                                    runner_output.failed):
+                                                    runner_output.failed, runner_output.pooled):
             output = outputs.get(request.request_id)
             if output is None:
                 output = outputs[request.request_id] = EngineCoreOutput(request.request_id, [])
             if request.status == RequestStatus.FINISHED_ERROR:
                 output.finish_reason = "error"
                 output.error = runner_output.failed[request.request_id]
+                continue
+            if request.request_id in runner_output.pooled:
+                output.pooled = runner_output.pooled[request.request_id]
+                output.finish_reason = "stop"
+                output.scheduled_time = request.scheduled_time
                 continue
             output.new_token_ids.append(request.output_token_ids[-1])
             output.logprobs = runner_output.logprobs.get(request.request_id)

@@ -11,7 +11,8 @@ two talk over ZeroMQ sockets on IPC paths, with msgpack-encoded messages:
         [SHUTDOWN]
     core i -> front end (PUSH -> PULL, the front end binds one for every replica):
         [OUTPUTS, i, tokens, stats, [output, ...]]   after each step: per sequence that
-                                  moved, its new token ids, token stop, logprob rows
+                                  moved, its new token ids, token stop, logprob rows (a
+                                  pooling request's output as float32 bytes)
         [STATS, i, stats]         after commands that left the core idle (aborts freed blocks)
         [REJECTED, i, id, message]   a sequence the core could not take
         [FAILED, i, message]      a step raised: the core is stopping
@@ -31,12 +32,14 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import msgpack
+import torch
 import zmq
 
 from cpullm.config import EngineConfig
 from cpullm.engine.core import EngineCore, EngineCoreOutput, EngineCoreRequest, EngineStats
 from cpullm.engine.sched_output import LogprobsLists
 from cpullm.logger import init_logger
+from cpullm.pooling_params import PoolingParams
 from cpullm.sampling_params import RequestOutputKind, SamplingParams
 from cpullm.utils import die_with_parent
 
@@ -57,6 +60,9 @@ def unpack(data: bytes) -> list[Any]:
 
 
 def encode_request(request: EngineCoreRequest) -> list[Any]:
+    if isinstance(request.params, PoolingParams):  # a dict: a pooling request's
+        return [request.request_id, request.prompt_token_ids,
+                dataclasses.asdict(request.params), request.arrival_time, request.cache_salt]
     params = [getattr(request.params, name) for name in _PARAM_FIELDS]
     params[_PARAM_FIELDS.index("output_kind")] = request.params.output_kind.value
     guided = request.params.structured_outputs
@@ -68,6 +74,9 @@ def encode_request(request: EngineCoreRequest) -> list[Any]:
 
 def decode_request(data: list[Any]) -> EngineCoreRequest:
     request_id, prompt_token_ids, values, arrival_time, cache_salt = data
+    if isinstance(values, dict):
+        return EngineCoreRequest(request_id, prompt_token_ids, PoolingParams(**values),
+                                 arrival_time, cache_salt)
     fields = dict(zip(_PARAM_FIELDS, values, strict=True))
     # (structured_outputs travels as a dict, which SamplingParams turns back into its params)
     fields["output_kind"] = RequestOutputKind(fields["output_kind"])
@@ -87,17 +96,20 @@ def encode_output(output: EngineCoreOutput) -> list[Any]:
     return [output.request_id, output.new_token_ids, output.finish_reason, output.stop_reason,
             _encode_rows(output.logprobs), _encode_rows(output.prompt_logprobs),
             output.prompt_logprobs_start, output.num_cached_tokens, output.scheduled_time,
-            output.first_token_time, output.last_token_time, output.error]
+            output.first_token_time, output.last_token_time, output.error,
+            None if output.pooled is None else output.pooled.numpy().tobytes()]
 
 
 def decode_output(data: list[Any]) -> EngineCoreOutput:
     (request_id, new_token_ids, finish_reason, stop_reason, logprobs, prompt_logprobs,
      prompt_logprobs_start, num_cached_tokens, scheduled_time, first_token_time,
-     last_token_time, error) = data
+     last_token_time, error, pooled) = data
     return EngineCoreOutput(request_id, new_token_ids, finish_reason, stop_reason,
                             _decode_rows(logprobs), _decode_rows(prompt_logprobs),
                             prompt_logprobs_start, num_cached_tokens, scheduled_time,
-                            first_token_time, last_token_time, error)
+                            first_token_time, last_token_time, error,
+                            None if pooled is None else torch.frombuffer(
+                                bytearray(pooled), dtype=torch.float32))
 
 
 def encode_stats(stats: EngineStats) -> list[Any]:

@@ -79,7 +79,10 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks held by requests (cached free blocks count as free)."""
+        """Fraction of blocks held by requests (cached free blocks count as free); 0 with
+        no blocks (an encoder's engine)."""
+        if not self.pool.num_blocks:
+            return 0.0
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
     def _update_hashes(self, request: Request, num_tokens: int) -> None:

@@ -20,7 +20,8 @@ from cpullm.engine.request import RequestStatus
 from cpullm.engine_args import EngineArgs
 from cpullm.executor import UniProcExecutor
 from cpullm.logger import init_logger
-from cpullm.outputs import RequestOutput
+from cpullm.outputs import PoolingRequestOutput, RequestOutput
+from cpullm.pooling_params import PoolingParams
 from cpullm.sampling_params import SamplingParams
 from cpullm.structured_output import GrammarChecker
 from cpullm.transformers_utils import load_tokenizer
@@ -119,11 +120,44 @@ class Frontend:
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
 
-    def check_prompt(self, token_ids: list[int]) -> None:
+    def check_pooling(self, params: PoolingParams, token_ids: list[int]) -> list[int]:
+        """What PoolingParams cannot check without the model: that it pools for this task,
+        and embeds to the dimensions asked; the input's tokens, the last max length of
+        them where ``truncate_prompt_tokens`` asks."""
+        model = self.config.model
+        wanted = {"embed": "embed", "classify": "classify", "score": "classify"}[params.task]
+        if not model.is_pooling:
+            raise ValueError(f"this model generates text; it does not {params.task} (serve "
+                             "a pooling model: --task embed or score)")
+        if wanted != model.task:
+            served = "embed" if model.task == "embed" else "score"
+            raise ValueError(f"this model is for --task {served}; it does not {params.task}")
+        if params.dimensions is not None:
+            sizes = getattr(model.hf_config, "matryoshka_dimensions", None)
+            if not (getattr(model.hf_config, "is_matryoshka", False) or sizes):
+                raise ValueError("dimensions: this model does not support Matryoshka "
+                                 "embeddings (its vectors cannot be cut shorter)")
+            hidden = model.hf_config.hidden_size
+            if sizes and params.dimensions not in sizes or params.dimensions > hidden:
+                raise ValueError(f"dimensions: {params.dimensions} is not one of the model's "
+                                 f"({sizes or f'at most {hidden}'})")
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            keep = model.max_model_len if keep == -1 else min(keep, model.max_model_len)
+            token_ids = token_ids[-keep:]
+        self.check_prompt(token_ids, room_for_output=False)
+        return token_ids
+
+    def check_prompt(self, token_ids: list[int], room_for_output: bool = True) -> None:
+        """``room_for_output``: a generated token must fit after the prompt (not for a
+        pooling model's input, which may take the whole length)."""
         max_len = self.config.model.max_model_len
         if not token_ids:
             raise ValueError("prompt: the prompt is empty")
-        if len(token_ids) >= max_len:
+        if not room_for_output and len(token_ids) > max_len:
+            raise ValueError(f"prompt: the input has {len(token_ids)} tokens, but the maximum "
+                             f"model length is {max_len} (truncate_prompt_tokens cuts it)")
+        if room_for_output and len(token_ids) >= max_len:
             raise ValueError(f"prompt: the prompt has {len(token_ids)} tokens, but the maximum "
                              f"model length is {max_len} (and at least one token must be "
                              "generated)")
@@ -207,12 +241,15 @@ class LLMEngine:
         return self.frontend.apply_chat_template(messages, *args, **kwargs)
 
     def add_request(self, request_id: str | None, prompt: Prompt,
-                    params: SamplingParams) -> str:
+                    params: SamplingParams | PoolingParams) -> str:
         """Queue a request; returns its id. Bad prompts raise ValueError."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         text, token_ids = self.frontend.tokenize_prompt(prompt)
-        self.frontend.check_prompt(token_ids)
-        self.frontend.check_params(params)
+        if isinstance(params, PoolingParams):
+            token_ids = self.frontend.check_pooling(params, token_ids)
+        else:
+            self.frontend.check_prompt(token_ids)
+            self.frontend.check_params(params)
         salt = self.frontend.cache_salt(prompt)
         for sequence in self.processor.add_request(request_id, text, token_ids, params, salt):
             self.core.add_request(sequence)
@@ -225,7 +262,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.processor.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """One step's RequestOutputs. Requests whose processing raised are dropped (their
         KV freed) and listed with their errors in ``failed`` until the next step."""
         step = self.processor.process(self.core.step())

@@ -17,7 +17,15 @@ from typing import Any
 from cpullm.engine.core import EngineCoreOutput, EngineCoreRequest
 from cpullm.engine.detokenizer import IncrementalDetokenizer
 from cpullm.engine.sched_output import LogprobsLists
-from cpullm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from cpullm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PromptLogprobs,
+    RequestOutput,
+)
+from cpullm.pooling_params import PoolingParams
 from cpullm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -43,7 +51,7 @@ class _Sample:
 class ProcessedStep:
     """What the front end made of one step."""
 
-    outputs: list[RequestOutput] = field(default_factory=list)
+    outputs: list[RequestOutput | PoolingRequestOutput] = field(default_factory=list)
     to_finish: list[str] = field(default_factory=list)  # sequences for the core to end
     failed: dict[str, Exception] = field(default_factory=dict)  # request id -> its error
 
@@ -72,14 +80,19 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, _RequestState] = {}
         self._sample_of: dict[str, tuple[_RequestState, _Sample]] = {}
+        # pooling requests: id -> (prompt, token ids); one sequence each, no text
+        self.pooling: dict[str, tuple[str | None, list[int]]] = {}
 
     def add_request(self, request_id: str, prompt: str | None, token_ids: list[int],
-                    params: SamplingParams, cache_salt: str | None = None
+                    params: SamplingParams | PoolingParams, cache_salt: str | None = None
                     ) -> list[EngineCoreRequest]:
         """Track a request; returns the sequences the core is to run for it."""
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.pooling:
             raise ValueError(f"request_id {request_id!r} is already in use")
         arrival = time.monotonic()
+        if isinstance(params, PoolingParams):
+            self.pooling[request_id] = (prompt, token_ids)
+            return [EngineCoreRequest(request_id, token_ids, params, arrival, cache_salt)]
         state = _RequestState(request_id, prompt, token_ids, params, [],
                               [None] if params.prompt_logprobs is not None else None, arrival)
         sequences = []
@@ -103,6 +116,8 @@ class OutputProcessor:
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; returns its sequences, for the core to finish."""
+        if self.pooling.pop(request_id, None) is not None:
+            return [request_id]
         state = self.requests.pop(request_id, None)
         if state is None:
             return []
@@ -112,10 +127,12 @@ class OutputProcessor:
         return ids
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self.pooling)
 
     def request_of(self, sequence_id: str) -> str | None:
         """The request a sequence belongs to, while it is tracked."""
+        if sequence_id in self.pooling:
+            return sequence_id
         found = self._sample_of.get(sequence_id)
         return None if found is None else found[0].request_id
 
@@ -127,6 +144,9 @@ class OutputProcessor:
         step = ProcessedStep()
         progressed: dict[str, _RequestState] = {}
         for output in outputs:
+            if output.request_id in self.pooling:
+                self._pooled(output, step)
+                continue
             found = self._sample_of.get(output.request_id)
             if found is None:
                 continue  # aborted, failed, or ended by a stop string a step ago
@@ -148,6 +168,15 @@ class OutputProcessor:
             if state.finished:
                 self.abort_request(state.request_id)  # done: forget it
         return step
+
+    def _pooled(self, output: EngineCoreOutput, step: ProcessedStep) -> None:
+        """A pooling request's one output: its pooled tensor, or its error."""
+        prompt, token_ids = self.pooling.pop(output.request_id)
+        if output.error is not None or output.pooled is None:
+            step.failed[output.request_id] = RuntimeError(output.error or "no pooled output")
+            return
+        step.outputs.append(PoolingRequestOutput(output.request_id, PoolingOutput(output.pooled),
+                                                 token_ids, True, prompt))
 
     def _fail(self, state: _RequestState, error: Exception, step: ProcessedStep) -> None:
         step.failed[state.request_id] = error

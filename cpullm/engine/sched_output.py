@@ -1,12 +1,16 @@
 """The one contract between the scheduler and the model runner, imported by both sides:
 a SchedulerOutput goes down (which requests run this step, which tokens each), a
 ModelRunnerOutput comes back (the sampled token of each request that sampled, and its
-logprobs). Plain values only, so the runner can move into another process behind it."""
+logprobs; or, for a pooling model, each finished input's pooled output). Plain values
+only, so the runner can move into another process behind it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from cpullm.pooling_params import PoolingParams
 from cpullm.sampling_params import SamplingParams
 
 
@@ -19,7 +23,7 @@ class ScheduledRequest:
     num_computed_tokens: int  # position of token_ids[0]
     block_table: list[int]
     sample: bool  # this step reaches the request's last token, so it samples the next one
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | PoolingParams  # PoolingParams: a pooling request
     prompt_token_ids: list[int]
     output_token_ids: list[int]
 
@@ -54,3 +58,6 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # request id -> why its own sampling raised (that request fails, the others go on)
     failed: dict[str, str] = field(default_factory=dict)
+    # pooling models: request id -> its pooled output (an embedding, class probabilities
+    # or a score), float32, when the step computed its whole input
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)

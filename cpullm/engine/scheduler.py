@@ -11,12 +11,16 @@ prompt and output so far, which gives the same tokens as an uninterrupted run.
 Under pipeline parallelism several steps are in flight at once (one per stage): a request
 scheduled in one is not scheduled again, nor preempted, until that step's output returns
 (``in_flight``), so the next steps take the other requests.
+
+An encoder's inputs (``SchedulerConfig.whole_inputs``) are scheduled whole, as the token
+budget allows, with no KV blocks, and end in the step that computes them.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Collection
 
 from cpullm.config import CacheConfig, SchedulerConfig
 from cpullm.engine.kv_cache_manager import KVCacheManager
@@ -75,11 +79,16 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs and len(scheduled) < max_seqs):
             request = self.waiting[0]
-            cached_blocks = self.kv_cache_manager.find_cached_prefix(request)
-            num_cached = len(cached_blocks) * self.kv_cache_manager.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
-            if not self.kv_cache_manager.allocate_slots(request, num_new, cached_blocks):
-                break
+            if self.config.whole_inputs:  # an encoder's input: whole, with no KV blocks
+                num_cached, num_new = 0, request.num_tokens
+                if num_new > budget:
+                    break
+            else:
+                cached_blocks = self.kv_cache_manager.find_cached_prefix(request)
+                num_cached = len(cached_blocks) * self.kv_cache_manager.block_size
+                num_new = min(request.num_tokens - num_cached, budget)
+                if not self.kv_cache_manager.allocate_slots(request, num_new, cached_blocks):
+                    break
             self.waiting.popleft()
             request.num_computed_tokens = num_cached  # the found prefix needs no compute
             if request.status == RequestStatus.WAITING:  # scheduled for the first time
@@ -125,10 +134,11 @@ class Scheduler:
         self.num_preemptions += 1
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
-                           failed: dict[str, str] | None = None) -> list[Request]:
+                           failed: dict[str, str] | None = None,
+                           pooled: Collection[str] = ()) -> list[Request]:
         """Advance the scheduled requests after the step ran; returns the requests that
-        got a new token, or failed (``failed``: their sampling raised). Requests that
-        finished are freed."""
+        got a new token, were pooled (``pooled``: an encoder's inputs, which end there) or
+        failed (``failed``: their sampling raised). Requests that finished are freed."""
         updated = []
         for item in output.scheduled:
             self.in_flight.discard(item.request_id)
@@ -142,6 +152,11 @@ class Scheduler:
                 continue
             before = request.num_computed_tokens
             request.num_computed_tokens = before + len(item.token_ids)
+            if item.request_id in pooled:
+                request.status = RequestStatus.FINISHED_STOPPED
+                self._finish(request)
+                updated.append(request)
+                continue
             self.kv_cache_manager.cache_computed_blocks(request, before)
             token = sampled.get(item.request_id)
             if token is None:

@@ -2,24 +2,54 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from cpullm.engine.llm_engine import LLMEngine, Prompt
 from cpullm.engine_args import EngineArgs
 from cpullm.logger import logging_to_tqdm
-from cpullm.outputs import RequestOutput
+from cpullm.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from cpullm.pooling_params import PoolingParams
 from cpullm.sampling_params import RequestOutputKind, SamplingParams
 
 Message = dict[str, Any]
 
 
-class LLM:
-    """Load a model once, then ``generate`` or ``chat`` over batches of prompts.
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text, token ids or a dict) or a list of them, as a list."""
+    if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]
 
-    ``LLM()`` with no model loads the default model, SmolLM2-135M-Instruct. Keyword
+
+def _params_list(params: Any, count: int, name: str) -> list[Any]:
+    """One params object for every prompt, or a list of one per prompt."""
+    if isinstance(params, SamplingParams | PoolingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"{name}: {len(params)} given for {count} prompts")
+    return params
+
+
+class LLM:
+    """Load a model once, then ``generate`` or ``chat`` over batches of prompts; or, for a
+    pooling model, ``embed``, ``classify``, ``score`` or ``encode`` them.
+
+    ``LLM()`` with no model loads the default model, SmolLM2-135M-Instruct;
+    ``LLM(task="embed")`` the default embedding model, all-MiniLM-L6-v2. Keyword
     arguments are EngineArgs fields (``dtype``, ``max_model_len``, ``block_size``,
     ``kv_cache_memory_bytes``, ``max_num_seqs``, ``max_num_batched_tokens``, ``seed``, ...).
     """
@@ -40,29 +70,88 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts."""
-        if isinstance(prompts, str | dict) or (
-                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"sampling_params: {len(params_list)} given for "
-                                 f"{len(prompts)} prompts")
+        params_list = _params_list(sampling_params, len(prompts), "sampling_params")
+        return self._submit(prompts, params_list, use_tqdm)  # type: ignore[return-value]
+
+    def _submit(self, prompts: list[Prompt],
+                params_list: Sequence[SamplingParams | PoolingParams], use_tqdm: bool
+                ) -> list[RequestOutput | PoolingRequestOutput]:
+        """Queue every prompt (each with a copy of its params), run them all, and return
+        the outputs in the order of the prompts, each once it is finished."""
         engine = self.llm_engine
         ids = []
         try:
             for prompt, params in zip(prompts, params_list, strict=True):
                 params = params.clone()
-                params.output_kind = RequestOutputKind.FINAL_ONLY
+                if isinstance(params, SamplingParams):
+                    params.output_kind = RequestOutputKind.FINAL_ONLY
                 ids.append(engine.add_request(None, prompt, params))
             return self._run(ids, use_tqdm)
         finally:
             engine.abort_request(ids)  # after an error, leave nothing queued
+
+    def encode(self, prompts: Prompt | Sequence[Prompt],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Run a pooling model over every prompt: its pooled tensor (``outputs.data``)."""
+        prompts = _prompt_list(prompts)
+        if pooling_params is None:
+            pooling_params = PoolingParams(
+                task="embed" if self.llm_engine.config.model.task == "embed" else "classify")
+        params_list = _params_list(pooling_params, len(prompts), "pooling_params")
+        return self._submit(prompts, params_list, use_tqdm)  # type: ignore[return-value]
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """An embedding per prompt (``outputs.embedding``), as the model's pooler makes
+        it; ``truncate_prompt_tokens``: keep the last so many tokens of a longer prompt."""
+        params = dataclasses.replace(pooling_params or PoolingParams(), task="embed")
+        if truncate_prompt_tokens is not None:
+            params.truncate_prompt_tokens = truncate_prompt_tokens
+        return [EmbeddingRequestOutput.from_base(o)
+                for o in self.encode(prompts, params, use_tqdm)]
+
+    def classify(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True
+                 ) -> list[ClassificationRequestOutput]:
+        """A sequence classifier's class probabilities per prompt (``outputs.probs``)."""
+        return [ClassificationRequestOutput.from_base(o) for o in
+                self.encode(prompts, PoolingParams(task="classify"), use_tqdm)]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None
+              ) -> list[ScoringRequestOutput]:
+        """The relevance of each pair: one ``text_1`` against every ``text_2``, or pair by
+        pair. A cross-encoder reads each pair together; an embedding model scores the
+        cosine similarity of the two embeddings (vLLM's rule)."""
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds) or not seconds:
+            raise ValueError(f"score: {len(firsts)} first texts for {len(seconds)} second "
+                             "texts; give one first text, or as many as second texts")
+        if self.llm_engine.config.model.task == "embed":
+            vectors = self.embed(firsts + seconds, use_tqdm=use_tqdm,
+                                 truncate_prompt_tokens=truncate_prompt_tokens)
+            n = len(firsts)
+            return [ScoringRequestOutput(
+                f"{a.request_id}_{b.request_id}",
+                ScoringOutput(float(torch.nn.functional.cosine_similarity(
+                    torch.tensor(a.outputs.embedding), torch.tensor(b.outputs.embedding),
+                    dim=0))),
+                a.prompt_token_ids + b.prompt_token_ids)
+                for a, b in zip(vectors[:n], vectors[n:], strict=True)]
+        tokenizer = self.llm_engine.tokenizer
+        pairs: list[Prompt] = [{"prompt_token_ids": tokenizer(a, b)["input_ids"]}
+                               for a, b in zip(firsts, seconds, strict=True)]
+        params = PoolingParams(task="score", truncate_prompt_tokens=truncate_prompt_tokens)
+        return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data[0])),
+                                     o.prompt_token_ids)
+                for o in self.encode(pairs, params, use_tqdm)]
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -82,7 +171,8 @@ class LLM:
         outputs = self.generate(prompts, sampling_params, use_tqdm)
         return outputs
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool
+             ) -> list[RequestOutput | PoolingRequestOutput]:
         engine = self.llm_engine
         # Pinned before the bar starts (its log line would land on the bar), and after the
         # prompts are tokenized: threads this thread starts later inherit its one CPU, and
@@ -93,7 +183,8 @@ class LLM:
         finally:
             engine.release_threads()
 
-    def _steps(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _steps(self, request_ids: list[str], use_tqdm: bool
+               ) -> list[RequestOutput | PoolingRequestOutput]:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
@@ -110,7 +201,8 @@ class LLM:
                         continue
                     finished[output.request_id] = output
                     num_prompt_tokens += len(output.prompt_token_ids)
-                    num_output_tokens += sum(len(o.token_ids) for o in output.outputs)
+                    if isinstance(output, RequestOutput):
+                        num_output_tokens += sum(len(o.token_ids) for o in output.outputs)
                     elapsed = bar.format_dict["elapsed"] or 1e-9
                     bar.set_postfix_str(f"input: {num_prompt_tokens / elapsed:.1f} toks/s, "
                                         f"output: {num_output_tokens / elapsed:.1f} toks/s")

@@ -37,7 +37,12 @@ class UniProcExecutor:
     """One ModelRunner, in this process."""
 
     def __init__(self, config: EngineConfig, eos_token_ids: set[int]) -> None:
-        self.model_runner = ModelRunner(config, eos_token_ids)
+        if config.model.is_pooling:
+            from cpullm.worker.pooling_runner import PoolingRunner
+
+            self.model_runner: ModelRunner | PoolingRunner = PoolingRunner(config, eos_token_ids)
+        else:
+            self.model_runner = ModelRunner(config, eos_token_ids)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute(scheduler_output)

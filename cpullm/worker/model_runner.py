@@ -76,43 +76,17 @@ def _reserve(tensors: list[torch.Tensor]) -> None:
                 break
 
 
-class ModelRunner:
-    """One rank's model runner: under tensor and pipeline parallelism (a worker process,
-    cpullm/executor/multiproc.py) it holds its rank's share of the model and of the KV
-    heads, and the first rank of the last stage samples."""
+class RunnerBase:
+    """What every model runner does around its model: memory on the NUMA node of its
+    compute threads, and those threads pinned to the rank's CPUs."""
 
-    def __init__(self, config: EngineConfig, eos_token_ids: set[int]) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
         tune_malloc()
-        model_config = config.model
         self.layout = distributed.layout()
-        self.block_size = config.cache.block_size
-        self.sliding_window = model_config.sliding_window
         binding = self._binding()
         if binding is not None:  # weights and KV cache on the NUMA node of the compute threads
             prefer_local_memory(*binding)
-        shape = (2, config.cache.num_blocks, self.block_size,
-                 model_config.kv_heads_per_rank(self.layout.tp_size),
-                 model_config.head_dim)  # per layer
-        self.kv_caches = [_kv_cache_tensor(shape, model_config.dtype)  # this stage's layers
-                          for _ in self.layout.stage_layers(model_config.num_layers)]
-        # Where the host backs a VM's memory page by page, reserving takes seconds.
-        reserving = threading.Thread(target=_reserve, args=(self.kv_caches,), name="kv-reserve",
-                                     daemon=True)
-        start = time.perf_counter()
-        reserving.start()
-        ops = None if model_config.enforce_eager else load_ops()
-        self.model = get_model(model_config, ops)
-        reserving.join()
-        logger.info("KV cache of %.2f GiB reserved (%.1f s with the model loading)",
-                    sum(c.nbytes for c in self.kv_caches) / (1 << 30), time.perf_counter() - start)
-        self.sampler = Sampler(model_config.vocab_size, eos_token_ids, ops)
-        self.generators: dict[str, torch.Generator] = {}
-        self.guided = GuidedDecoding(lambda: load_tokenizer(
-            model_config.source, model_config.tokenizer, model_config.hf_config),
-            model_config.vocab_size)
-        if self.layout.rank == self.layout.output_rank:  # the rank that samples
-            self.guided.warm()
         self._bound_thread: int | None = None
         self._caller_affinity: set[int] | None = None  # of the bound thread, before binding
 
@@ -152,6 +126,40 @@ class ModelRunner:
         if self._caller_affinity is not None:
             os.sched_setaffinity(0, self._caller_affinity)
             self._caller_affinity = None
+
+
+class ModelRunner(RunnerBase):
+    """One rank's model runner: under tensor and pipeline parallelism (a worker process,
+    cpullm/executor/multiproc.py) it holds its rank's share of the model and of the KV
+    heads, and the first rank of the last stage samples."""
+
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int]) -> None:
+        super().__init__(config)
+        model_config = config.model
+        self.block_size = config.cache.block_size
+        self.sliding_window = model_config.sliding_window
+        shape = (2, config.cache.num_blocks, self.block_size,
+                 model_config.kv_heads_per_rank(self.layout.tp_size),
+                 model_config.head_dim)  # per layer
+        self.kv_caches = [_kv_cache_tensor(shape, model_config.dtype)  # this stage's layers
+                          for _ in self.layout.stage_layers(model_config.num_layers)]
+        # Where the host backs a VM's memory page by page, reserving takes seconds.
+        reserving = threading.Thread(target=_reserve, args=(self.kv_caches,), name="kv-reserve",
+                                     daemon=True)
+        start = time.perf_counter()
+        reserving.start()
+        ops = None if model_config.enforce_eager else load_ops()
+        self.model = get_model(model_config, ops)
+        reserving.join()
+        logger.info("KV cache of %.2f GiB reserved (%.1f s with the model loading)",
+                    sum(c.nbytes for c in self.kv_caches) / (1 << 30), time.perf_counter() - start)
+        self.sampler = Sampler(model_config.vocab_size, eos_token_ids, ops)
+        self.generators: dict[str, torch.Generator] = {}
+        self.guided = GuidedDecoding(lambda: load_tokenizer(
+            model_config.source, model_config.tokenizer, model_config.hf_config),
+            model_config.vocab_size)
+        if self.layout.rank == self.layout.output_rank:  # the rank that samples
+            self.guided.warm()
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -5,6 +5,12 @@ from __future__ import annotations
 
 from torch import nn
 
+from cpullm.model_executor.models.bert import (
+    BertForSequenceClassification,
+    BertModel,
+    RobertaForSequenceClassification,
+    RobertaModel,
+)
 from cpullm.model_executor.models.gemma import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -48,6 +54,17 @@ MODEL_REGISTRY: dict[str, tuple[type[nn.Module], str]] = {
                             "q/k norms"),
     "GlmForCausalLM": (GlmForCausalLM, "GLM-4; interleaved partial rotary, fused gate-up"),
     "Glm4ForCausalLM": (Glm4ForCausalLM, "GLM-4-0414; and post-block norms"),
+    # encoders, for pooling (--task embed / score)
+    "BertModel": (BertModel, "BERT encoders (all-MiniLM, BGE, E5, ...): embeddings"),
+    "RobertaModel": (RobertaModel, "RoBERTa encoders: embeddings; positions from pad + 1"),
+    "XLMRobertaModel": (RobertaModel, "XLM-RoBERTa encoders (multilingual E5, BGE-M3): "
+                        "embeddings"),
+    "BertForSequenceClassification": (BertForSequenceClassification, "BERT cross-encoders "
+                                      "(ms-marco MiniLM, ...): scores and classes"),
+    "RobertaForSequenceClassification": (RobertaForSequenceClassification, "RoBERTa "
+                                         "cross-encoders"),
+    "XLMRobertaForSequenceClassification": (RobertaForSequenceClassification, "XLM-RoBERTa "
+                                            "cross-encoders (BGE rerankers)"),
 }
 
 
