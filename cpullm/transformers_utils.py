@@ -192,6 +192,13 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None,
                                                  local_files_only=True)
     else:
         loaded = AutoTokenizer.from_pretrained(source.directory, local_files_only=True)
+    backend = getattr(loaded, "backend_tokenizer", None)
+    if backend is not None:
+        # A tokenizer.json may pad and cut every encoding (all-MiniLM-L6-v2's: to 128
+        # tokens); the server encodes with the backend directly, which would apply them.
+        # The prompt's own tokens, always: lengths are checked, and cut only when asked.
+        backend.no_padding()
+        backend.no_truncation()
     logger.info("Tokenizer loaded in %.2f s", time.perf_counter() - start)
     return loaded
 

@@ -205,3 +205,131 @@ def test_tasks_that_do_not_fit_the_model_are_refused(tiny_model):
     llm = LLM(str(tiny_model("llama")), dtype="float32", max_model_len=64)
     with pytest.raises(ValueError, match="generates text"):
         llm.embed("hi", use_tqdm=False)
+
+
+# ---- through the server -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def embed_server():
+    from server_utils import RemoteServer
+
+    server = RemoteServer(["--task", "embed", "--dtype", "float32",
+                           "--served-model-name", "minilm"])
+    yield server
+    server.stop()
+
+
+def test_openai_client_embeddings(embed_server, reference):
+    import base64
+
+    import httpx
+    import openai
+
+    client = openai.OpenAI(base_url=f"{embed_server.url}/v1", api_key="unused")
+    response = client.embeddings.create(model="minilm", input=TEXTS, encoding_format="float")
+    assert [d.index for d in response.data] == list(range(len(TEXTS)))
+    assert min(cosines([d.embedding for d in response.data], reference)) > 0.99999
+    tokenizer_ids = [client.post("/../tokenize", cast_to=object, body={"prompt": t})["tokens"]
+                     for t in TEXTS[:2]]
+    assert response.usage.prompt_tokens == sum(
+        len(client.post("/../tokenize", cast_to=object, body={"prompt": t})["tokens"])
+        for t in TEXTS)
+    by_ids = client.embeddings.create(model="minilm", input=tokenizer_ids,
+                                      encoding_format="float")
+    assert min(cosines([d.embedding for d in by_ids.data], reference[:2])) > 0.99999
+    one = client.embeddings.create(model="minilm", input=tokenizer_ids[0],
+                                   encoding_format="float")
+    assert len(one.data) == 1
+    raw = httpx.post(f"{embed_server.url}/v1/embeddings", timeout=30, json={
+        "input": TEXTS[:2], "encoding_format": "base64"}).json()
+    decoded = [torch.frombuffer(bytearray(base64.b64decode(d["embedding"])),
+                                dtype=torch.float32) for d in raw["data"]]
+    torch.testing.assert_close(torch.stack(decoded),
+                               torch.tensor([d.embedding for d in response.data[:2]]))
+
+
+def test_score_and_rerank_with_an_embedding_model(embed_server, reference):
+    import httpx
+
+    query, documents = TEXTS[0], TEXTS[1:]
+    want = F.cosine_similarity(reference[0:1], reference[1:]).tolist()
+    scored = httpx.post(f"{embed_server.url}/score", timeout=30, json={
+        "text_1": query, "text_2": documents}).json()
+    assert [d["index"] for d in scored["data"]] == list(range(len(documents)))
+    torch.testing.assert_close(torch.tensor([d["score"] for d in scored["data"]]),
+                               torch.tensor(want), atol=1e-4, rtol=1e-4)
+    ranked = httpx.post(f"{embed_server.url}/v1/rerank", timeout=30, json={
+        "query": query, "documents": documents, "top_n": 3}).json()
+    order = sorted(range(len(documents)), key=lambda i: -want[i])[:3]
+    assert [r["index"] for r in ranked["results"]] == order
+    assert [r["document"]["text"] for r in ranked["results"]] == [documents[i] for i in order]
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"input": []}, "input"),
+    ({"input": ""}, "input"),
+    ({"input": 5}, "input"),
+    ({"input": [[1, 2], []]}, "input"),
+    ({"input": "word " * 400}, "maximum model length is 256"),
+    ({"input": "hi", "dimensions": 32}, "Matryoshka"),
+    ({"input": "hi", "encoding_format": "hex"}, "encoding_format"),
+    ({"input": [999999]}, "Token ids must be in"),
+    ({"input": "hi", "model": "other"}, "does not exist"),
+])
+def test_bad_embedding_requests_get_a_400(embed_server, body, message):
+    import httpx
+
+    response = httpx.post(f"{embed_server.url}/v1/embeddings", timeout=30, json=body)
+    assert response.status_code in (400, 404), response.text
+    error = response.json()["error"]
+    assert message in error["message"] and error["code"] == response.status_code
+
+
+def test_long_inputs_truncated_and_generation_refused(embed_server):
+    import httpx
+
+    response = httpx.post(f"{embed_server.url}/v1/embeddings", timeout=30, json={
+        "input": "word " * 400, "truncate_prompt_tokens": 50})
+    assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == 50
+    for route, body in (("/v1/completions", {"prompt": "hi"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                "content": "hi"}]})):
+        response = httpx.post(f"{embed_server.url}{route}", timeout=30, json=body)
+        assert response.status_code == 400 and "pooling model" in response.text
+    assert httpx.get(f"{embed_server.url}/health", timeout=10).status_code == 200
+
+
+def test_cross_encoder_server_and_a_generative_one(tmp_path, bert_tokenizer, tiny_model):
+    """/rerank on a cross-encoder orders by transformers' scores; /v1/embeddings on a
+    generative server is a 400."""
+    import httpx
+    from server_utils import RemoteServer
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    path = make_encoder(tmp_path / "ce", bert_tokenizer, "BertForSequenceClassification",
+                        num_labels=1)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = BertForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    query, documents = PAIRS[0][0], [b for _, b in PAIRS] + ["Lyon is in France."]
+    with torch.no_grad():
+        want = [float(torch.sigmoid(model(**tokenizer(query, d, return_tensors="pt")).logits[0, 0]))
+                for d in documents]
+    server = RemoteServer([str(path), "--dtype", "float32"])
+    try:
+        ranked = httpx.post(f"{server.url}/rerank", timeout=30, json={
+            "query": query, "documents": documents, "return_documents": False}).json()
+        assert [r["index"] for r in ranked["results"]] == sorted(
+            range(len(documents)), key=lambda i: -want[i])
+        torch.testing.assert_close(torch.tensor([r["relevance_score"] for r in ranked["results"]]),
+                                   torch.tensor(sorted(want, reverse=True)), atol=1e-5, rtol=1e-4)
+        response = httpx.post(f"{server.url}/v1/embeddings", timeout=30, json={"input": "hi"})
+        assert response.status_code == 400 and "cross-encoder" in response.text
+    finally:
+        server.stop()
+    server = RemoteServer([str(tiny_model("llama")), "--dtype", "float32", "--max-model-len",
+                           "128"])
+    try:
+        response = httpx.post(f"{server.url}/v1/embeddings", timeout=30, json={"input": "hi"})
+        assert response.status_code == 400 and "generates text" in response.text
+    finally:
+        server.stop()

@@ -25,7 +25,8 @@ from cpullm.engine.core import EngineStats
 from cpullm.engine.errors import EngineDeadError, RequestFailedError, ServerShuttingDownError
 from cpullm.engine.llm_engine import Frontend, LLMEngine
 from cpullm.logger import init_logger
-from cpullm.outputs import RequestOutput
+from cpullm.outputs import PoolingRequestOutput, RequestOutput
+from cpullm.pooling_params import PoolingParams
 from cpullm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -51,7 +52,7 @@ def _deliver(items: list[tuple[asyncio.Queue[Any], RequestOutput]]) -> None:
 class _Add:
     request_id: str
     prompt: dict[str, Any]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     sink: _Sink
 
 
@@ -116,8 +117,8 @@ class AsyncEngine:
         return 0
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, cache_salt: str | None = None
-                       ) -> AsyncGenerator[RequestOutput, None]:
+                       params: SamplingParams | PoolingParams, cache_salt: str | None = None
+                       ) -> AsyncGenerator[RequestOutput | PoolingRequestOutput, None]:
         """Yield the request's outputs until it finishes. Cancelling the consumer (a client
         that went away) aborts the request and frees its KV blocks."""
         if self.dead_error is not None:

@@ -18,7 +18,8 @@ from cpullm.engine.errors import EngineDeadError, RequestFailedError, ServerShut
 from cpullm.engine.llm_engine import Frontend, check_cache_salt
 from cpullm.engine.output_processor import OutputProcessor
 from cpullm.logger import init_logger
-from cpullm.outputs import RequestOutput
+from cpullm.outputs import PoolingRequestOutput, RequestOutput
+from cpullm.pooling_params import PoolingParams
 from cpullm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -151,14 +152,18 @@ class AsyncMPEngine:
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, cache_salt: str | None = None
-                       ) -> AsyncGenerator[RequestOutput, None]:
-        """Yield the request's outputs until it finishes. Cancelling the consumer (a client
-        that went away) aborts the request and frees its KV blocks."""
+                       params: SamplingParams | PoolingParams, cache_salt: str | None = None
+                       ) -> AsyncGenerator[RequestOutput | PoolingRequestOutput, None]:
+        """Yield the request's outputs until it finishes (a pooling request: its one
+        output). Cancelling the consumer (a client that went away) aborts the request and
+        frees its KV blocks."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.dead_error}")
-        self.frontend.check_prompt(prompt_token_ids)
-        self.frontend.check_params(params)
+        if isinstance(params, PoolingParams):
+            prompt_token_ids = self.frontend.check_pooling(params, prompt_token_ids)
+        else:
+            self.frontend.check_prompt(prompt_token_ids)
+            self.frontend.check_params(params)
         check_cache_salt(cache_salt)
         sequences = self.processor.add_request(request_id, None, prompt_token_ids, params,
                                                cache_salt)
@@ -274,5 +279,5 @@ class AsyncMPEngine:
         self._queues.clear()
         self._replica_of.clear()
         self._load = [0] * len(self.cores)
-        for request_id in list(self.processor.requests):
+        for request_id in [*self.processor.requests, *self.processor.pooling]:
             self.processor.abort_request(request_id)

@@ -31,13 +31,17 @@ from cpullm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ModelCard,
+    RerankRequest,
+    ScoreRequest,
     TokenizeChatRequest,
     TokenizeRequest,
 )
 from cpullm.entrypoints.openai.serving_chat import ServingChat
 from cpullm.entrypoints.openai.serving_completion import ServingCompletion
 from cpullm.entrypoints.openai.serving_engine import OpenAIError
+from cpullm.entrypoints.openai.serving_pooling import ServingPooling
 from cpullm.logger import init_logger
 from cpullm.platform.affinity import bind_frontend_thread
 
@@ -184,6 +188,7 @@ def build_app(engine: ServingEngine, served_model_name: str,
                        tool_call_parser=tool_call_parser,
                        enable_auto_tool_choice=enable_auto_tool_choice,
                        reasoning_parser=reasoning_parser)
+    pooling = ServingPooling(engine, served_model_name, max_model_len, metrics, max_open)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -245,7 +250,9 @@ def build_app(engine: ServingEngine, served_model_name: str,
         return {"name": "cpullm", "version": cpullm.__version__, "model": served_model_name,
                 "routes": {"docs": "/docs", "models": "/v1/models", "health": "/health",
                            "completions": "/v1/completions",
-                           "chat_completions": "/v1/chat/completions", "metrics": "/metrics"}}
+                           "chat_completions": "/v1/chat/completions",
+                           "embeddings": "/v1/embeddings", "score": "/v1/score",
+                           "rerank": "/v1/rerank", "metrics": "/metrics"}}
 
     @app.get("/health")
     async def health() -> Response:
@@ -291,6 +298,24 @@ def build_app(engine: ServingEngine, served_model_name: str,
         if isinstance(result, dict):
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream")
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(body: EmbeddingRequest, request: Request) -> Any:
+        return await _cancel_on_disconnect(request, _respond(pooling.embeddings(body), request,
+                                                             respond))
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def create_score(body: ScoreRequest, request: Request) -> Any:
+        return await _cancel_on_disconnect(request, _respond(pooling.score(body), request,
+                                                             respond))
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def create_rerank(body: RerankRequest, request: Request) -> Any:
+        return await _cancel_on_disconnect(request, _respond(pooling.rerank(body), request,
+                                                             respond))
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Any:
@@ -368,9 +393,9 @@ def run_server(args: argparse.Namespace) -> int:
     else:
         engine = AsyncEngine(LLMEngine(config))
     served_name = config.model.served_model_name
-    # The grammar checks' view of the vocabulary, read while the engine core starts.
-    threading.Thread(target=engine.frontend.grammars.warm, name="grammar-vocabulary",
-                     daemon=True).start()
+    if not config.model.is_pooling:  # the grammar checks' view of the vocabulary, read
+        threading.Thread(target=engine.frontend.grammars.warm,  # while the core starts
+                         name="grammar-vocabulary", daemon=True).start()
     bind_frontend_thread(list(config.parallel.binding.reserved_cpus))
     api_keys = args.api_key or ([envs.VLLM_API_KEY] if envs.VLLM_API_KEY else None)
     app = build_app(engine, served_name, api_keys,

@@ -89,6 +89,14 @@ class RequestMetrics:
         self._child = child
         self._success, self._labels = success, (model_name, engine)
 
+    def record_pooled(self, num_prompt_tokens: int, e2e_seconds: float) -> None:
+        """A pooling request's input, read and pooled."""
+        child = self._child
+        child["prompt_tokens"].inc(num_prompt_tokens)
+        child["e2e_latency"].observe(e2e_seconds)
+        child["request_prompt_tokens"].observe(num_prompt_tokens)
+        self._success.labels(*self._labels, "stop").inc()
+
     def record_finished(self, output: RequestOutput, params: SamplingParams,
                         num_prompt_tokens: int, num_generated: int, e2e_seconds: float) -> None:
         child = self._child

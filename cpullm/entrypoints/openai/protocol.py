@@ -345,6 +345,47 @@ class DetokenizeRequest(OpenAIModel):
     tokens: list[_TokenId]
 
 
+_Text = Annotated[str, Field(min_length=1)]
+_TokenIds = Annotated[list[_TokenId], Field(min_length=1)]
+_TRUNCATE = Field(default=None, ge=-1, json_schema_extra=CONTEXT_LENGTH)
+
+
+class EmbeddingRequest(OpenAIModel):
+    """OpenAI's /v1/embeddings: ``input`` as a string, a list of strings, token ids or a
+    list of token-id lists; vLLM's ``truncate_prompt_tokens`` and ``normalize`` too."""
+
+    model: str | None = Field(default=None, json_schema_extra=SERVED_MODEL)
+    input: _Text | Annotated[list[_Text], Field(min_length=1)] | _TokenIds | \
+        Annotated[list[_TokenIds], Field(min_length=1)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+    truncate_prompt_tokens: int | None = _TRUNCATE
+    normalize: bool | None = None
+    add_special_tokens: bool = True
+
+
+class ScoreRequest(OpenAIModel):
+    """vLLM's /score: one ``text_1`` against every ``text_2``, or pair by pair."""
+
+    model: str | None = Field(default=None, json_schema_extra=SERVED_MODEL)
+    text_1: _Text | Annotated[list[_Text], Field(min_length=1)]
+    text_2: _Text | Annotated[list[_Text], Field(min_length=1)]
+    truncate_prompt_tokens: int | None = _TRUNCATE
+
+
+class RerankRequest(OpenAIModel):
+    """/rerank (Jina's and Cohere's shape): the documents ordered by relevance to the
+    query, the ``top_n`` first."""
+
+    model: str | None = Field(default=None, json_schema_extra=SERVED_MODEL)
+    query: _Text
+    documents: Annotated[list[_Text], Field(min_length=1)]
+    top_n: int | None = Field(default=None, ge=1)
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = _TRUNCATE
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0

@@ -17,7 +17,8 @@ from cpullm.engine.async_engine import (
 from cpullm.entrypoints.openai.metrics import ServerMetrics
 from cpullm.entrypoints.openai.protocol import Usage, _SamplingFields
 from cpullm.logger import init_logger
-from cpullm.outputs import Logprob, PromptLogprobs, RequestOutput
+from cpullm.outputs import Logprob, PoolingRequestOutput, PromptLogprobs
+from cpullm.pooling_params import PoolingParams
 from cpullm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger(__name__)
@@ -101,6 +102,10 @@ class ServingBase:
         """Refuse a request for another model, any request once the engine is dead, and
         fields not implemented yet; warn once about each field this server ignores."""
         self.check_model(request.model)
+        if self.engine.config.model.is_pooling:
+            raise OpenAIError(f"The model `{self.served_model_name}` is a pooling model "
+                              f"(--task {self.engine.config.model.task}): it does not generate "
+                              "text; use /v1/embeddings, /score or /rerank.", 400, "model")
         self.check_capacity()
         refused = request.refused_field()
         if refused is not None:
@@ -191,19 +196,26 @@ class ServingBase:
             raise OpenAIError.from_value_error(e) from None
         return params
 
-    async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None) -> AsyncGenerator[RequestOutput, None]:
-        """The engine's outputs for one prompt, with latency metrics recorded on the way."""
+    async def generate(self, request_id: str, token_ids: list[int],
+                       params: SamplingParams | PoolingParams, cache_salt: str | None = None
+                       ) -> AsyncGenerator[Any, None]:
+        """The engine's outputs for one prompt (RequestOutputs; a pooling request's one
+        PoolingRequestOutput), with latency metrics recorded on the way."""
         start = last = time.monotonic()
         first = True
         num_tokens = 0
-        streaming = params.output_kind == RequestOutputKind.DELTA
+        streaming = getattr(params, "output_kind", None) == RequestOutputKind.DELTA
         stream = self.engine.generate(request_id, token_ids, params, cache_salt)
         try:
             async for output in stream:
                 now = time.monotonic()
                 # under the replica that runs the request
                 metrics = self.metrics.for_engine(self.engine.replica_of(request_id))
+                if isinstance(output, PoolingRequestOutput):
+                    metrics.record_pooled(len(output.prompt_token_ids), now - start)
+                    yield output
+                    continue
+                assert isinstance(params, SamplingParams)
                 new_tokens = sum(len(c.token_ids) for c in output.outputs)
                 if new_tokens and streaming:
                     if first:
