@@ -41,17 +41,26 @@ class EncoderBatch:
         starts = torch.cumsum(lengths, 0) - lengths
         self.owner = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
         self.offset = torch.arange(int(lengths.sum())) - starts[self.owner]
+        # where each token goes in the padded block, flat; none of it when no input is
+        # shorter than the longest (the block is the batch itself)
+        self.uniform = bool((lengths == self.longest).all())
+        self.slot = self.owner * self.longest + self.offset
         # [inputs, 1, 1, longest]: the keys each input's queries see
-        self.mask = (torch.arange(self.longest)[None] < lengths[:, None])[:, None, None, :]
+        self.mask = None if self.uniform else \
+            (torch.arange(self.longest)[None] < lengths[:, None])[:, None, None, :]
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """[tokens, ...] -> [inputs, longest, ...] (zeros past each input's end)."""
-        out = x.new_zeros(len(self.lengths), self.longest, *x.shape[1:])
-        out[self.owner, self.offset] = x
-        return out
+        if self.uniform:
+            return x.view(len(self.lengths), self.longest, *x.shape[1:])
+        out = x.new_zeros(len(self.lengths) * self.longest, *x.shape[1:])
+        out.index_copy_(0, self.slot, x)
+        return out.view(len(self.lengths), self.longest, *x.shape[1:])
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        return x[self.owner, self.offset]
+        """[inputs, longest, ...] -> [tokens, ...]."""
+        flat = x.reshape(len(self.lengths) * self.longest, *x.shape[2:])
+        return flat if self.uniform else flat.index_select(0, self.slot)
 
 
 class BertSelfAttention(nn.Module):
@@ -65,9 +74,9 @@ class BertSelfAttention(nn.Module):
                                       quant_config=quant_config)
 
     def forward(self, hidden: torch.Tensor, batch: EncoderBatch) -> torch.Tensor:
-        q, k, v = self.qkv(hidden).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
-        # [inputs, heads, longest, head_dim]
-        q, k, v = (batch.pad(t).transpose(1, 2) for t in (q, k, v))
+        qkv = batch.pad(self.qkv(hidden).view(-1, 3, self.num_heads, self.head_dim))
+        # [inputs, heads, longest, head_dim] each
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask)
         return batch.unpad(out.transpose(1, 2)).reshape(-1, self.num_heads * self.head_dim)
 
