@@ -95,3 +95,25 @@ def test_random_prompts_have_the_asked_length_as_text(tokenizer_dir):
     assert [len(r.prompt_token_ids) for r in requests] == [64] * 20
     assert [tokenizer.encode(r.prompt, add_special_tokens=False) for r in requests] == \
         [r.prompt_token_ids for r in requests]
+
+
+def test_bench_embeddings_offline_and_served(tmp_path):
+    """The default embedding model: texts/s offline, and through /v1/embeddings."""
+    out = tmp_path / "embed.json"
+    stdout = run(["throughput", "--task", "embed", "--dtype", "float32", "--num-prompts", "12",
+                  "--random-input-len", "16", "--output-json", str(out)]).stdout
+    assert "texts/s" in stdout
+    result = json.loads(out.read_text())
+    assert result["num_requests"] == 12 and result["total_num_tokens"] == 12 * 16
+    server = RemoteServer(["--task", "embed", "--dtype", "float32"])
+    try:
+        stdout = run(["serve", "--base-url", server.url, "--backend", "openai-embeddings",
+                      "--num-prompts", "10", "--random-input-len", "16", "--max-concurrency",
+                      "4", "--save-result", "--result-dir", str(tmp_path), "--result-filename",
+                      "served.json"]).stdout
+        assert "Embedding Serving Benchmark Result" in stdout
+        result = json.loads((tmp_path / "served.json").read_text())
+        assert result["completed"] == 10 and result["total_input_tokens"] == 10 * 16
+        assert result["request_throughput"] > 0 and result["p99_e2el_ms"] > 0
+    finally:
+        server.stop()

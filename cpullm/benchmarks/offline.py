@@ -29,6 +29,8 @@ def run_throughput(args: argparse.Namespace) -> dict[str, float]:
     engine = llm.llm_engine
     requests = sample_requests(args, llm.get_tokenizer(), engine.config.model.max_model_len)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    if engine.config.model.is_pooling:
+        return _pooling_throughput(args, llm, prompts)
     params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=r.output_len)
               for r in requests]
     kv = engine.scheduler.kv_cache_manager
@@ -53,6 +55,23 @@ def run_throughput(args: argparse.Namespace) -> dict[str, float]:
           f"{result['output_tokens_per_second']:.2f} output tokens/s")
     print(f"Total num prompt tokens: {prompt_tokens}\nTotal num output tokens: {output_tokens}\n"
           f"Prefix cache hit rate: {100 * result['prefix_cache_hit_rate']:.1f}%")
+    _write_json(args.output_json, result)
+    return result
+
+
+def _pooling_throughput(args: argparse.Namespace, llm: LLM,
+                        prompts: list[dict[str, list[int]]]) -> dict[str, float]:
+    """A pooling model's throughput: every input embedded (or scored) at once."""
+    start = time.perf_counter()
+    outputs = llm.encode(prompts, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    result = {"elapsed_time": elapsed, "num_requests": len(outputs),
+              "total_num_tokens": tokens, "requests_per_second": len(outputs) / elapsed,
+              "tokens_per_second": tokens / elapsed}
+    print(f"Throughput: {result['requests_per_second']:.2f} texts/s, "
+          f"{result['tokens_per_second']:.2f} tokens/s ({tokens} tokens in "
+          f"{len(outputs)} texts, {elapsed:.2f} s)")
     _write_json(args.output_json, result)
     return result
 

@@ -24,8 +24,9 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000",
                         help="the server's address")
     parser.add_argument("--backend", choices=list(_BACKENDS), default="openai",
-                        help="request shape: openai (completions, prompts as token ids) or "
-                        "openai-chat (chat completions, prompts as one user message)")
+                        help="request shape: openai (completions, prompts as token ids), "
+                        "openai-chat (chat completions, prompts as one user message) or "
+                        "openai-embeddings (/v1/embeddings, inputs as token ids)")
     parser.add_argument("--endpoint", default=None,
                         help="path of the API route (default: the backend's, "
                         "/v1/completions or /v1/chat/completions)")
@@ -72,10 +73,15 @@ def _chat_body(model: str, request: BenchRequest) -> dict[str, Any]:
             "messages": [{"role": "user", "content": request.prompt}]}
 
 
+def _embeddings_body(model: str, request: BenchRequest) -> dict[str, Any]:
+    return {"model": model, "input": request.prompt_token_ids}
+
+
 # backend -> (default endpoint, request body)
 _BACKENDS: dict[str, tuple[str, Callable[[str, BenchRequest], dict[str, Any]]]] = {
     "openai": ("/v1/completions", _completion_body),
     "openai-chat": ("/v1/chat/completions", _chat_body),
+    "openai-embeddings": ("/v1/embeddings", _embeddings_body),
 }
 
 
@@ -127,6 +133,24 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], prompt
     return result
 
 
+async def _one_embedding(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                         prompt_len: int, headers: dict[str, str]) -> RequestResult:
+    """One embedding request: its latency, end to end."""
+    result = RequestResult(prompt_len=prompt_len)
+    start = time.perf_counter()
+    try:
+        response = await client.post(url, json=body, headers=headers)
+        if response.status_code != 200:
+            result.error = response.text
+            return result
+        result.prompt_len = response.json()["usage"]["prompt_tokens"]
+        result.e2e = result.ttft = time.perf_counter() - start
+        result.success = True
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+        result.error = repr(e)
+    return result
+
+
 async def _run(args: argparse.Namespace, requests: list[BenchRequest], model: str
                ) -> tuple[list[RequestResult], float]:
     default_endpoint, make_body = _BACKENDS[args.backend]
@@ -138,9 +162,10 @@ async def _run(args: argparse.Namespace, requests: list[BenchRequest], model: st
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(None)) as client:
         async def limited(request: BenchRequest) -> RequestResult:
+            one = _one_embedding if args.backend == "openai-embeddings" else _one
             async with limit:
-                result = await _one(client, url, make_body(model, request),
-                                    len(request.prompt_token_ids), headers)
+                result = await one(client, url, make_body(model, request),
+                                   len(request.prompt_token_ids), headers)
             bar.update(1)
             return result
 
@@ -167,12 +192,15 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     model = args.model or httpx.get(args.base_url.rstrip("/") + "/v1/models",
                                     headers=_headers(args)).json()["data"][0]["id"]
-    tokenizer = load_tokenizer(resolve_model(args.tokenizer))
+    embeddings = args.backend == "openai-embeddings"
+    tokenizer = load_tokenizer(resolve_model(args.tokenizer, pooling=embeddings))
     requests = sample_requests(args, tokenizer)
     results, duration = asyncio.run(_run(args, requests, model))
     ok = [r for r in results if r.success]
     if not ok:
         raise RuntimeError(f"every request failed; first error: {results[0].error}")
+    if embeddings:
+        return _embeddings_result(args, ok, len(results), duration)
     input_tokens = sum(r.prompt_len for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
     tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
@@ -203,8 +231,36 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         for stat in ("mean", "median", "p99"):
             print(f"{stat.capitalize() + ' ' + metric.upper() + ' (ms):':<45}"
                   f"{result[f'{stat}_{metric}_ms']:>15.2f}")
+    _save(args, result)
+    return result
+
+
+def _embeddings_result(args: argparse.Namespace, ok: list[RequestResult], sent: int,
+                       duration: float) -> dict[str, Any]:
+    """An embedding server's figures: texts and tokens per second, and the latency."""
+    tokens = sum(r.prompt_len for r in ok)
+    result: dict[str, Any] = {
+        "duration": duration, "completed": len(ok), "failed": sent - len(ok),
+        "total_input_tokens": tokens, "request_throughput": len(ok) / duration,
+        "total_token_throughput": tokens / duration, "max_concurrency": args.max_concurrency,
+        "request_rate": args.request_rate, **_stats("e2el", [r.e2e for r in ok])}
+    print(f"{' Embedding Serving Benchmark Result ':=^60}")
+    for label, key in (("Successful requests", "completed"), ("Failed requests", "failed"),
+                       ("Benchmark duration (s)", "duration"),
+                       ("Total input tokens", "total_input_tokens"),
+                       ("Request throughput (texts/s)", "request_throughput"),
+                       ("Total token throughput (tok/s)", "total_token_throughput"),
+                       ("Mean E2EL (ms)", "mean_e2el_ms"), ("Median E2EL (ms)", "median_e2el_ms"),
+                       ("P99 E2EL (ms)", "p99_e2el_ms")):
+        value = result[key]
+        print(f"{label:<45}{value:>15.2f}" if isinstance(value, float)
+              else f"{label:<45}{value:>15}")
+    _save(args, result)
+    return result
+
+
+def _save(args: argparse.Namespace, result: dict[str, Any]) -> None:
     if args.save_result:
         name = args.result_filename or f"cpullm-serve-{time.strftime('%Y%m%d-%H%M%S')}.json"
         with open(os.path.join(args.result_dir, name), "w") as f:
             json.dump(result, f, indent=4)
-    return result
