@@ -39,8 +39,17 @@ class ModelConfig:
 
     @property
     def is_pooling(self) -> bool:
-        """An encoder: inputs computed whole, pooled, with no KV cache and no sampling."""
+        """A pooling model: inputs pooled (embedded or scored), nothing sampled."""
         return self.task != "generate"
+
+    @property
+    def is_encoder(self) -> bool:
+        """An encoder (BERT, ...): inputs computed whole, with no KV cache. A decoder that
+        embeds (last-token pooling of a Llama-layout model) runs as the generative models
+        do, its prompt in chunks over a KV cache."""
+        from cpullm.model_executor.models import get_model_class
+
+        return bool(getattr(get_model_class(self.architecture), "is_encoder", False))
 
     @property
     def architecture(self) -> str:

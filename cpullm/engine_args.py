@@ -218,15 +218,20 @@ class EngineArgs:
         from cpullm.model_executor.models import get_model_class  # (models import the loader)
 
         architecture = ModelConfig(source, hf_config, dtype, 1).architecture
-        task = self._task(architecture, get_model_class(architecture))
+        model_class = get_model_class(architecture)
+        encoder = bool(getattr(model_class, "is_encoder", False))
+        task = self._task(architecture, model_class)
         max_position = getattr(hf_config, "max_position_embeddings", None) or 2048
         pooler_config = PoolerConfig()
         if task != "generate":  # an encoder's positions, and the length it was trained for
-            max_position -= get_model_class(architecture).position_offset(hf_config)
+            if encoder:
+                max_position -= model_class.position_offset(hf_config)
             max_position = min(max_position, _sentence_transformers_length(source.directory)
                                or max_position) if not self.max_model_len else max_position
+            # (a decoder embeds by its last token, as Qwen3-Embedding does)
+            default = PoolerConfig() if encoder else PoolerConfig("LAST")
             pooler_config = (sentence_transformers_pooling(source.directory)
-                             or PoolerConfig()).override(self.override_pooler_config)
+                             or default).override(self.override_pooler_config)
             logger.info("Task: %s; pooler: %s, %s", task, pooler_config.pooling_type,
                         "normalized" if pooler_config.normalize else "not normalized")
         max_model_len = self.max_model_len or max_position
@@ -252,7 +257,7 @@ class EngineArgs:
             master_port=self.master_port or (_MASTER_PORT if self.nnodes > 1 else 0),
             nnodes=self.nnodes, node_rank=self.node_rank)
         model_config.check_parallel(sizes)
-        if model_config.is_pooling and sizes.world_size > 1:
+        if encoder and sizes.world_size > 1:
             raise ValueError("tensor and pipeline parallelism are for generative models; an "
                              "encoder runs on one rank (use --data-parallel-size for more "
                              "replicas)")
@@ -262,7 +267,7 @@ class EngineArgs:
         logger.info("Thread binding %s", binding.describe())
         parallel = dataclasses.replace(sizes, binding=binding, topology=topology)
         tokens = self._budget("max_num_batched_tokens", sizes)
-        if model_config.is_pooling:  # every input in one step: the budget must hold one
+        if encoder:  # every input in one step: the budget must hold one
             if self.max_num_batched_tokens is None:
                 tokens = max(tokens, _POOLING_TOKEN_BUDGET, max_model_len)
             elif tokens < max_model_len:
@@ -270,11 +275,11 @@ class EngineArgs:
                                  f"max_model_len={max_model_len}: an encoder computes an "
                                  "input whole, in one step")
         scheduler = SchedulerConfig(self._budget("max_num_seqs", sizes), tokens, max_model_len,
-                                    whole_inputs=model_config.is_pooling)
-        num_blocks = 0 if model_config.is_pooling else self._num_kv_blocks(
-            model_config, parallel, scheduler.max_num_seqs)
+                                    whole_inputs=encoder)
+        num_blocks = 0 if encoder else self._num_kv_blocks(model_config, parallel,
+                                                           scheduler.max_num_seqs)
         cache = CacheConfig(self.block_size, num_blocks,
-                            self.enable_prefix_caching and not model_config.is_pooling)
+                            self.enable_prefix_caching and not encoder)
         return EngineConfig(model_config, cache, scheduler, parallel)
 
     def _asks_pooling(self) -> bool:
@@ -301,9 +306,11 @@ class EngineArgs:
         if asked in ("auto", kind):
             return kind
         if kind == "generate":
-            raise ValueError(f"--task {self.task}: {architecture} is a generative model; "
-                             "pooling runs the encoders (BertModel, XLMRobertaModel, ...) and "
-                             "their sequence classifiers")
+            if asked == "embed":
+                return "embed"  # a decoder as an embedder: its last token's hidden state
+            raise ValueError(f"--task {self.task}: {architecture} is a generative model; it "
+                             "embeds (--task embed) but does not classify; cross-encoders "
+                             "(BertForSequenceClassification, ...) score")
         raise ValueError(f"--task {self.task}: {architecture} is a pooling model for "
                          f"--task {'embed' if kind == 'embed' else 'score'}")
 

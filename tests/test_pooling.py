@@ -198,8 +198,8 @@ def test_truncation_and_limits(minilm):
 
 
 def test_tasks_that_do_not_fit_the_model_are_refused(tiny_model):
-    with pytest.raises(ValueError, match="is a generative model"):
-        LLM(str(tiny_model("llama")), task="embed")
+    with pytest.raises(ValueError, match="does not classify"):
+        LLM(str(tiny_model("llama")), task="score")
     with pytest.raises(ValueError, match="is a pooling model"):
         LLM(default_embedding_model_path(), task="generate")
     llm = LLM(str(tiny_model("llama")), dtype="float32", max_model_len=64)
@@ -333,3 +333,27 @@ def test_cross_encoder_server_and_a_generative_one(tmp_path, bert_tokenizer, tin
         assert response.status_code == 400 and "generates text" in response.text
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("pooling", ["LAST", "MEAN", "CLS"])
+def test_decoder_as_embedder_equals_transformers(tiny_model, pooling):
+    """A Llama-layout model with --task embed: its final hidden states pooled (by the last
+    token unless told otherwise, as Qwen3-Embedding runs), with prompts in chunks over the
+    KV cache (a budget of 32 tokens) and batched with each other."""
+    from transformers import AutoModel
+
+    path = tiny_model("llama")
+    texts = [t for t in TEXTS if t != "hi"][:4]
+    llm = LLM(str(path), dtype="float32", task="embed", max_num_batched_tokens=32,
+              max_model_len=256, override_pooler_config=json.dumps({"pooling_type": pooling}))
+    assert llm.llm_engine.config.model.pooler_config.pooling_type == pooling
+    got = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    rows = []
+    for text in texts:
+        ids = torch.tensor([llm.get_tokenizer().encode(text)])
+        with torch.no_grad():
+            hidden = model(input_ids=ids).last_hidden_state[0]
+        rows.append({"MEAN": hidden.mean(0), "CLS": hidden[0], "LAST": hidden[-1]}[pooling])
+    torch.testing.assert_close(got, F.normalize(torch.stack(rows), dim=1), atol=1e-5,
+                               rtol=1e-4)

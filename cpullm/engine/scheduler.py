@@ -26,6 +26,7 @@ from cpullm.config import CacheConfig, SchedulerConfig
 from cpullm.engine.kv_cache_manager import KVCacheManager
 from cpullm.engine.request import Request, RequestStatus
 from cpullm.engine.sched_output import ScheduledRequest, SchedulerOutput
+from cpullm.pooling_params import PoolingParams
 
 
 class Scheduler:
@@ -83,8 +84,9 @@ class Scheduler:
                 num_cached, num_new = 0, request.num_tokens
                 if num_new > budget:
                     break
-            else:
-                cached_blocks = self.kv_cache_manager.find_cached_prefix(request)
+            else:  # (a pooling request pools every token's state: it computes them all)
+                cached_blocks = [] if isinstance(request.sampling_params, PoolingParams) \
+                    else self.kv_cache_manager.find_cached_prefix(request)
                 num_cached = len(cached_blocks) * self.kv_cache_manager.block_size
                 num_new = min(request.num_tokens - num_cached, budget)
                 if not self.kv_cache_manager.allocate_slots(request, num_new, cached_blocks):

@@ -37,7 +37,7 @@ class UniProcExecutor:
     """One ModelRunner, in this process."""
 
     def __init__(self, config: EngineConfig, eos_token_ids: set[int]) -> None:
-        if config.model.is_pooling:
+        if config.model.is_encoder:
             from cpullm.worker.pooling_runner import PoolingRunner
 
             self.model_runner: ModelRunner | PoolingRunner = PoolingRunner(config, eos_token_ids)

@@ -28,10 +28,13 @@ from cpullm.engine.sched_output import (
 from cpullm.logger import init_logger
 from cpullm.model_executor.layers.attention import AttentionMetadata
 from cpullm.model_executor.layers.ops import load_ops
+from cpullm.model_executor.layers.pooler import finish_embeddings
 from cpullm.model_executor.loader import get_model
 from cpullm.platform.affinity import bind_compute_threads, prefer_local_memory
 from cpullm.platform.memory import tune_malloc
 from cpullm.platform.topology import CpuTopology
+from cpullm.pooling_params import PoolingParams
+from cpullm.sampling_params import SamplingParams
 from cpullm.structured_output import GuidedDecoding
 from cpullm.transformers_utils import load_tokenizer
 from cpullm.utils import cdiv
@@ -158,8 +161,10 @@ class ModelRunner(RunnerBase):
         self.guided = GuidedDecoding(lambda: load_tokenizer(
             model_config.source, model_config.tokenizer, model_config.hf_config),
             model_config.vocab_size)
-        if self.layout.rank == self.layout.output_rank:  # the rank that samples
-            self.guided.warm()
+        if self.layout.rank == self.layout.output_rank and not model_config.is_pooling:
+            self.guided.warm()  # (on the rank that samples)
+        # a decoder's embedding requests: id -> (sum, count, first) of their hidden states
+        self._pooling: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -167,6 +172,7 @@ class ModelRunner(RunnerBase):
         for request_id in scheduler_output.finished_request_ids:
             self.generators.pop(request_id, None)
             self.guided.drop(request_id)
+            self._pooling.pop(request_id, None)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput()
         # Single-token requests first: attention runs them on its decode path.
@@ -185,7 +191,12 @@ class ModelRunner(RunnerBase):
             return ModelRunnerOutput()
 
         output = ModelRunnerOutput()
-        rows = [i for i, item in enumerate(items) if item.sample]
+        pooling = [i for i, item in enumerate(items)
+                   if isinstance(item.sampling_params, PoolingParams)]
+        if pooling:
+            self._pool([items[i] for i in pooling], hidden, query_ends[pooling], output)
+        rows = [i for i, item in enumerate(items)
+                if item.sample and isinstance(item.sampling_params, SamplingParams)]
         prompt_rows = self._prompt_logprob_rows(items, query_ends)
         logits_index = [int(query_ends[i]) - 1 for i in rows]
         for _, flat_index, _ in prompt_rows:
@@ -208,6 +219,28 @@ class ModelRunner(RunnerBase):
             output.prompt_logprobs[item.request_id] = compute_logprobs(
                 chunk, torch.tensor(targets), item.sampling_params.prompt_logprobs or 0)
         return output
+
+    def _pool(self, items: list[ScheduledRequest], hidden: torch.Tensor,
+              query_ends: np.ndarray, output: ModelRunnerOutput) -> None:
+        """A decoder's embedding requests (``--task embed`` on the Llama layout): each
+        chunk's final hidden states folded into its request's pooling state (a sum and a
+        count, the first token's), and the embedding when the last chunk is computed."""
+        pooler = self.config.model.pooler_config
+        for item, end in zip(items, query_ends, strict=True):
+            chunk = hidden[int(end) - len(item.token_ids):int(end)].float()
+            if item.num_computed_tokens == 0:  # (from the start again after a preemption)
+                self._pooling[item.request_id] = (torch.zeros(chunk.shape[1]), 0, chunk[0])
+            total, count, first = self._pooling[item.request_id]
+            self._pooling[item.request_id] = (total + chunk.sum(0), count + len(chunk), first)
+            if not item.sample:
+                continue
+            total, count, first = self._pooling.pop(item.request_id)
+            vector = {"MEAN": total / count, "CLS": first, "LAST": chunk[-1]}[
+                pooler.pooling_type]
+            params: PoolingParams = item.sampling_params  # type: ignore[assignment]
+            output.pooled[item.request_id] = finish_embeddings(
+                vector[None], [pooler.normalize if params.normalize is None
+                               else params.normalize], [params.dimensions])[0]
 
     def _sample(self, sampled: list[ScheduledRequest], logits: torch.Tensor,
                 output: ModelRunnerOutput) -> None:
@@ -311,8 +344,8 @@ class ModelRunner(RunnerBase):
         logprobs were asked: position p predicts prompt token p + 1."""
         rows = []
         for item, end in zip(items, query_ends, strict=True):
-            if item.sampling_params.prompt_logprobs is None:
-                continue
+            if getattr(item.sampling_params, "prompt_logprobs", None) is None:
+                continue  # (none asked, or a pooling request)
             first = item.num_computed_tokens
             last = min(first + len(item.token_ids), len(item.prompt_token_ids) - 1)
             if first >= last:
