@@ -30,6 +30,8 @@ import torch
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # A mask that allows this many tokens or fewer is checked token by token (GuidedDecoding)
 _NARROW_MASK = 8
+# Grammars whose compiled matcher the model runner keeps, to copy for the next request
+_KEPT_GRAMMARS = 256
 
 
 @dataclass
@@ -250,6 +252,7 @@ class GuidedDecoding:
         self._matchers: dict[str, Any] = {}
         self._consumed: dict[str, int] = {}  # request id -> output tokens its matcher took
         self._loading: concurrent.futures.Future[Any] | None = None
+        self._templates: dict[str, Any] = {}  # grammar -> its matcher at the start, kept
 
     def warm(self) -> None:
         """Read the vocabulary (0.6-1 s) in a thread now, while the engine starts, not in
@@ -272,6 +275,21 @@ class GuidedDecoding:
             self._load()
         return self._loading.result()
 
+    def _new_matcher(self, grammar: str) -> Any:
+        """A matcher at the start of ``grammar``: a copy of the one compiled for it before
+        (~20 us), else compiled (0.3-4 ms) and kept for the next request that asks."""
+        import llguidance
+
+        template = self._templates.pop(grammar, None)
+        if template is None:
+            template = llguidance.LLMatcher(self._tokenizer, grammar)
+            if template.is_error():
+                raise ValueError(template.get_error())
+        self._templates[grammar] = template  # the most recent last
+        while len(self._templates) > _KEPT_GRAMMARS:
+            self._templates.pop(next(iter(self._templates)))
+        return template.deep_copy()
+
     def drop(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
         self._consumed.pop(request_id, None)
@@ -281,7 +299,6 @@ class GuidedDecoding:
                                                           dict[str, str]]:
         """For a step's sampling rows: the guided rows, their allowed tokens [guided,
         vocab_size] (bool), and the requests whose grammar failed (id -> why)."""
-        import llguidance
         import llguidance.torch as llg_torch
 
         rows = [i for i, p in enumerate(params) if p.structured_outputs is not None]
@@ -295,8 +312,7 @@ class GuidedDecoding:
             matcher = self._matchers.get(request_id)
             if matcher is None:
                 try:  # (checked in the front end already; a failure here fails the request)
-                    matcher = llguidance.LLMatcher(self._tokenizer,
-                                                   grammar_of(params[row].structured_outputs))
+                    matcher = self._new_matcher(grammar_of(params[row].structured_outputs))
                 except (ValueError, RuntimeError) as e:
                     failed[request_id] = f"the grammar cannot be used: {e}"
                     continue
