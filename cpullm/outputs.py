@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass(slots=True)
@@ -78,21 +78,6 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """``LLM.embed``'s output (vLLM's shape): ``outputs.embedding``."""
-
-    request_id: str
-    outputs: EmbeddingOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-
-    @classmethod
-    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
-        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()),
-                   output.prompt_token_ids, output.finished)
-
-
-@dataclass
 class ClassificationOutput:
     probs: list[float]
 
@@ -102,30 +87,43 @@ class ClassificationOutput:
 
 
 @dataclass
-class ClassificationRequestOutput:
-    """``LLM.classify``'s output (vLLM's shape): ``outputs.probs``."""
-
-    request_id: str
-    outputs: ClassificationOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-
-    @classmethod
-    def from_base(cls, output: PoolingRequestOutput) -> ClassificationRequestOutput:
-        return cls(output.request_id, ClassificationOutput(output.outputs.data.tolist()),
-                   output.prompt_token_ids, output.finished)
-
-
-@dataclass
 class ScoringOutput:
     score: float
 
 
 @dataclass
-class ScoringRequestOutput:
-    """``LLM.score``'s output (vLLM's shape): ``outputs.score``."""
+class _TypedPoolingRequestOutput:
+    """A pooling request's output as the task reads it (vLLM's shapes)."""
 
     request_id: str
-    outputs: ScoringOutput
+    outputs: Any
     prompt_token_ids: list[int]
     finished: bool = True
+    output_class: ClassVar[type] = EmbeddingOutput
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> Any:
+        return cls(output.request_id, cls.output_class(output.outputs.data.tolist()),
+                   output.prompt_token_ids, output.finished)
+
+
+@dataclass
+class EmbeddingRequestOutput(_TypedPoolingRequestOutput):
+    """``LLM.embed``'s output: ``outputs.embedding``."""
+
+    outputs: EmbeddingOutput
+
+
+@dataclass
+class ClassificationRequestOutput(_TypedPoolingRequestOutput):
+    """``LLM.classify``'s output: ``outputs.probs``."""
+
+    outputs: ClassificationOutput
+    output_class: ClassVar[type] = ClassificationOutput
+
+
+@dataclass
+class ScoringRequestOutput(_TypedPoolingRequestOutput):
+    """``LLM.score``'s output: ``outputs.score``."""
+
+    outputs: ScoringOutput

