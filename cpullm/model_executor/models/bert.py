@@ -5,8 +5,9 @@ Parameter names mirror Hugging Face's (``embeddings.*``, ``encoder.layer.N.*``),
 that query, key and value are merged into ``attention.self.qkv``. A batch is flat: the
 tokens of all inputs one after another, ``lengths`` saying where each ends, so the linear
 layers, norms and activations run over real tokens only. Attention is bidirectional within
-each input: the heads are scattered into a [inputs, longest, heads, head_dim] block by one
-index, attended with a key mask of the lengths in one call, and gathered back.
+each input: the heads of inputs of similar lengths are scattered into an [inputs, longest,
+heads, head_dim] block by one index, attended with a key mask of the lengths in one call,
+and gathered back (``EncoderBatch``).
 
 RoBERTa counts positions from ``pad_token_id + 1``, as its checkpoints were trained, and
 has one token type; BERT's second segment of a pair (after the first [SEP]) is token
@@ -31,36 +32,66 @@ _ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, app
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 
 
+class _Block:
+    """Inputs of similar lengths, attended together in one call: padded to the longest of
+    them (nothing to pad where they have one length), keys past each one's end masked."""
+
+    def __init__(self, lengths: torch.Tensor, tokens: torch.Tensor | None) -> None:
+        self.tokens = tokens  # their flat token indices in the batch (None: all of them)
+        self.count, self.longest = len(lengths), int(lengths.max())
+        starts = torch.cumsum(lengths, 0) - lengths
+        owner = torch.repeat_interleave(torch.arange(self.count), lengths)
+        uniform = bool((lengths == self.longest).all())
+        # where each token goes in the padded block, flat
+        self.slot = None if uniform else \
+            owner * self.longest + torch.arange(len(owner)) - starts[owner]
+        # [inputs, 1, 1, longest]: the keys each input's queries see
+        self.mask = None if uniform else \
+            (torch.arange(self.longest)[None] < lengths[:, None])[:, None, None, :]
+
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """[tokens, 3, heads, head_dim] of these inputs -> [tokens, heads, head_dim]."""
+        shape = (self.count, self.longest, *qkv.shape[1:])
+        if self.slot is None:
+            padded = qkv.view(shape)
+        else:
+            padded = qkv.new_zeros(self.count * self.longest, *qkv.shape[1:])
+            padded.index_copy_(0, self.slot, qkv)
+            padded = padded.view(shape)
+        q, k, v = padded.permute(2, 0, 3, 1, 4).unbind(0)  # [inputs, heads, longest, dim]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask).transpose(1, 2)
+        flat = out.reshape(self.count * self.longest, *out.shape[2:])
+        return flat if self.slot is None else flat.index_select(0, self.slot)
+
+
 class EncoderBatch:
-    """The layout of a flat batch, built once and shared by the layers: which input each
-    token belongs to and its place in it, and the key mask of the padded attention."""
+    """The layout of a flat batch, built once and shared by the layers: each token's place
+    in its input, and the blocks the attention runs in. Inputs go to a block by the power
+    of two below their length, so that padding never doubles an input's attention: a long
+    input among short ones is attended apart from them."""
 
     def __init__(self, lengths: torch.Tensor) -> None:
         self.lengths = lengths
-        self.longest = int(lengths.max())
         starts = torch.cumsum(lengths, 0) - lengths
-        self.owner = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-        self.offset = torch.arange(int(lengths.sum())) - starts[self.owner]
-        # where each token goes in the padded block, flat; none of it when no input is
-        # shorter than the longest (the block is the batch itself)
-        self.uniform = bool((lengths == self.longest).all())
-        self.slot = self.owner * self.longest + self.offset
-        # [inputs, 1, 1, longest]: the keys each input's queries see
-        self.mask = None if self.uniform else \
-            (torch.arange(self.longest)[None] < lengths[:, None])[:, None, None, :]
+        self.owner = owner = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        self.offset = torch.arange(int(lengths.sum())) - starts[owner]
+        kind = torch.log2(lengths.double()).floor().long()
+        kinds = torch.unique(kind)
+        if len(kinds) == 1:
+            self.blocks = [_Block(lengths, None)]
+        else:
+            self.blocks = [_Block(lengths[kind == k], torch.nonzero(kind[owner] == k)[:, 0])
+                           for k in kinds]
 
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """[tokens, ...] -> [inputs, longest, ...] (zeros past each input's end)."""
-        if self.uniform:
-            return x.view(len(self.lengths), self.longest, *x.shape[1:])
-        out = x.new_zeros(len(self.lengths) * self.longest, *x.shape[1:])
-        out.index_copy_(0, self.slot, x)
-        return out.view(len(self.lengths), self.longest, *x.shape[1:])
-
-    def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        """[inputs, longest, ...] -> [tokens, ...]."""
-        flat = x.reshape(len(self.lengths) * self.longest, *x.shape[2:])
-        return flat if self.uniform else flat.index_select(0, self.slot)
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Bidirectional attention within each input: [tokens, 3, heads, head_dim] ->
+        [tokens, heads, head_dim]."""
+        if len(self.blocks) == 1:
+            return self.blocks[0].attend(qkv)
+        out = qkv.new_empty(qkv.shape[0], *qkv.shape[2:])
+        for block in self.blocks:
+            out.index_copy_(0, block.tokens, block.attend(qkv.index_select(0, block.tokens)))
+        return out
 
 
 class BertSelfAttention(nn.Module):
@@ -74,11 +105,8 @@ class BertSelfAttention(nn.Module):
                                       quant_config=quant_config)
 
     def forward(self, hidden: torch.Tensor, batch: EncoderBatch) -> torch.Tensor:
-        qkv = batch.pad(self.qkv(hidden).view(-1, 3, self.num_heads, self.head_dim))
-        # [inputs, heads, longest, head_dim] each
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask)
-        return batch.unpad(out.transpose(1, 2)).reshape(-1, self.num_heads * self.head_dim)
+        qkv = self.qkv(hidden).view(-1, 3, self.num_heads, self.head_dim)
+        return batch.attend(qkv).reshape(-1, self.num_heads * self.head_dim)
 
 
 class BertDenseNorm(nn.Module):
