@@ -229,17 +229,20 @@ def test_openai_client_embeddings(embed_server, reference):
     response = client.embeddings.create(model="minilm", input=TEXTS, encoding_format="float")
     assert [d.index for d in response.data] == list(range(len(TEXTS)))
     assert min(cosines([d.embedding for d in response.data], reference)) > 0.99999
-    tokenizer_ids = [client.post("/../tokenize", cast_to=object, body={"prompt": t})["tokens"]
-                     for t in TEXTS[:2]]
-    assert response.usage.prompt_tokens == sum(
-        len(client.post("/../tokenize", cast_to=object, body={"prompt": t})["tokens"])
-        for t in TEXTS)
+    tokenized = [httpx.post(f"{embed_server.url}/tokenize", timeout=30,
+                            json={"prompt": t}).json()["tokens"] for t in TEXTS]
+    assert response.usage.prompt_tokens == sum(map(len, tokenized))
+    tokenizer_ids = tokenized[:2]
     by_ids = client.embeddings.create(model="minilm", input=tokenizer_ids,
                                       encoding_format="float")
     assert min(cosines([d.embedding for d in by_ids.data], reference[:2])) > 0.99999
     one = client.embeddings.create(model="minilm", input=tokenizer_ids[0],
                                    encoding_format="float")
     assert len(one.data) == 1
+    # the client's default: it asks for base64 and decodes it
+    decoded_by_client = client.embeddings.create(model="minilm", input=TEXTS[:2])
+    torch.testing.assert_close(torch.tensor([d.embedding for d in decoded_by_client.data]),
+                               torch.tensor([d.embedding for d in response.data[:2]]))
     raw = httpx.post(f"{embed_server.url}/v1/embeddings", timeout=30, json={
         "input": TEXTS[:2], "encoding_format": "base64"}).json()
     decoded = [torch.frombuffer(bytearray(base64.b64decode(d["embedding"])),
