@@ -22,6 +22,7 @@ from cpullm.model_executor.layers.quantization import (
 )
 from cpullm.platform import CpuTopology, format_cpu_list, plan_binding, resolve_dtype
 from cpullm.transformers_utils import (
+    DEFAULT_EMBEDDING_MODEL_NAME,
     DEFAULT_MODEL_NAME,
     LOAD_FORMATS,
     ModelSource,
@@ -226,8 +227,9 @@ class EngineArgs:
         if task != "generate":  # an encoder's positions, and the length it was trained for
             if encoder:
                 max_position -= model_class.position_offset(hf_config)
-            max_position = min(max_position, _sentence_transformers_length(source.directory)
-                               or max_position) if not self.max_model_len else max_position
+            trained = _sentence_transformers_length(source.directory)
+            if trained and not self.max_model_len:
+                max_position = min(max_position, trained)
             # (a decoder embeds by its last token, as Qwen3-Embedding does)
             default = PoolerConfig() if encoder else PoolerConfig("LAST")
             pooler_config = (sentence_transformers_pooling(source.directory)
@@ -248,7 +250,8 @@ class EngineArgs:
         model_config = ModelConfig(
             source=source, hf_config=hf_config, dtype=dtype, max_model_len=max_model_len,
             seed=self.seed, tokenizer=self.tokenizer, chat_template=chat_template,
-            served_model_name=self.served_model_name or (self.model or DEFAULT_MODEL_NAME),
+            served_model_name=self.served_model_name or self.model or (
+                DEFAULT_MODEL_NAME if task == "generate" else DEFAULT_EMBEDDING_MODEL_NAME),
             enforce_eager=self.enforce_eager, quantization=quantization, task=task,
             pooler_config=pooler_config)
         sizes = ParallelConfig(  # validates the sizes before planning

@@ -44,7 +44,9 @@ def test_minilm_equals_sentence_transformers(reference, dtype, bound):
     for got in (together, alone):
         assert min(cosines(got, reference)) > bound
         assert all(abs(torch.tensor(v).norm() - 1) < 1e-3 for v in got)  # its Normalize
-    assert llm.llm_engine.config.model.max_model_len == 256  # sentence_bert_config.json
+    model = llm.llm_engine.config.model
+    assert model.max_model_len == 256  # sentence_bert_config.json
+    assert model.served_model_name == "sentence-transformers/all-MiniLM-L6-v2"
 
 
 @pytest.fixture(scope="module")
