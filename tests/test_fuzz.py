@@ -54,6 +54,38 @@ def test_fuzzed_requests_get_no_server_error(label, mode, api_schema, fuzzed_ser
     refuses most of what it allows is a schema that does not state its constraints: a third
     at least of the positive cases of each POST route succeed (the rest break rules between
     fields, such as min_tokens <= max_tokens, which a schema cannot state)."""
+    fuzz_operation(api_schema, fuzzed_server, label, mode)
+
+
+@pytest.fixture(scope="module")
+def pooling_server(tmp_path_factory):
+    """A tiny random BERT encoder (the default embedding model's tokenizer)."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    from cpullm.transformers_utils import default_embedding_model_path
+
+    path = tmp_path_factory.mktemp("fuzz-bert")
+    tokenizer = AutoTokenizer.from_pretrained(default_embedding_model_path())
+    config = transformers.BertConfig(vocab_size=len(tokenizer), hidden_size=32,
+                                     intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, max_position_embeddings=128)
+    transformers.BertModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    server = RemoteServer([str(path), "--dtype", "float32"])
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("label,mode", [(label, mode) for label in (
+    "POST /v1/embeddings", "POST /score", "POST /rerank") for mode in ("positive", "negative")])
+def test_fuzzed_pooling_requests_get_no_server_error(label, mode, pooling_server):
+    """The same for an embedding server's routes."""
+    schema = schemathesis.openapi.from_url(f"{pooling_server.url}/openapi.json")
+    fuzz_operation(schema, pooling_server, label, mode)
+
+
+def fuzz_operation(api_schema, server, label: str, mode: str) -> None:
     operation = api_schema.find_operation_by_label(label)
     statuses: list[int] = []
 
@@ -61,7 +93,7 @@ def test_fuzzed_requests_get_no_server_error(label, mode, api_schema, fuzzed_ser
     @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     def call(case) -> None:
-        response = case.call(base_url=fuzzed_server.url, timeout=60)
+        response = case.call(base_url=server.url, timeout=60)
         statuses.append(response.status_code)
         assert response.status_code < 500, (case.body, response.status_code,
                                              response.text[:500])
@@ -73,7 +105,7 @@ def test_fuzzed_requests_get_no_server_error(label, mode, api_schema, fuzzed_ser
     if mode == "positive" and label.startswith("POST"):
         accepted = sum(200 <= status < 300 for status in statuses)
         assert accepted >= len(statuses) // 3, collections.Counter(statuses)
-    assert httpx.get(f"{fuzzed_server.url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
 def _nested(depth: int) -> str:
