@@ -275,6 +275,7 @@ def test_score_and_rerank_with_an_embedding_model(embed_server, reference):
     ({"input": ""}, "input"),
     ({"input": 5}, "input"),
     ({"input": [[1, 2], []]}, "input"),
+    ({"input": ["a"] * 2049}, "input"),
     ({"input": "word " * 400}, "maximum model length is 256"),
     ({"input": "hi", "dimensions": 32}, "Matryoshka"),
     ({"input": "hi", "encoding_format": "hex"}, "encoding_format"),

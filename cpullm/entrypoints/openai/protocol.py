@@ -345,9 +345,9 @@ class DetokenizeRequest(OpenAIModel):
     tokens: list[_TokenId]
 
 
-_Text = Annotated[str, Field(min_length=1)]
-_TokenIds = Annotated[list[_TokenId], Field(min_length=1)]
 _TRUNCATE = Field(default=None, ge=-1, json_schema_extra=CONTEXT_LENGTH)
+MAX_INPUTS = 2048  # inputs in one request, OpenAI's limit: each is an engine request
+_Texts = Annotated[list[_Text], Field(min_length=1, max_length=MAX_INPUTS)]
 
 
 class EmbeddingRequest(OpenAIModel):
@@ -355,8 +355,8 @@ class EmbeddingRequest(OpenAIModel):
     list of token-id lists; vLLM's ``truncate_prompt_tokens`` and ``normalize`` too."""
 
     model: str | None = Field(default=None, json_schema_extra=SERVED_MODEL)
-    input: _Text | Annotated[list[_Text], Field(min_length=1)] | _TokenIds | \
-        Annotated[list[_TokenIds], Field(min_length=1)]
+    input: _Text | _Texts | _TokenIds | \
+        Annotated[list[_TokenIds], Field(min_length=1, max_length=MAX_INPUTS)]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
@@ -369,8 +369,8 @@ class ScoreRequest(OpenAIModel):
     """vLLM's /score: one ``text_1`` against every ``text_2``, or pair by pair."""
 
     model: str | None = Field(default=None, json_schema_extra=SERVED_MODEL)
-    text_1: _Text | Annotated[list[_Text], Field(min_length=1)]
-    text_2: _Text | Annotated[list[_Text], Field(min_length=1)]
+    text_1: _Text | _Texts
+    text_2: _Text | _Texts
     truncate_prompt_tokens: int | None = _TRUNCATE
 
 
@@ -380,7 +380,7 @@ class RerankRequest(OpenAIModel):
 
     model: str | None = Field(default=None, json_schema_extra=SERVED_MODEL)
     query: _Text
-    documents: Annotated[list[_Text], Field(min_length=1)]
+    documents: _Texts
     top_n: int | None = Field(default=None, ge=1)
     return_documents: bool = True
     truncate_prompt_tokens: int | None = _TRUNCATE
