@@ -139,8 +139,9 @@ class Scheduler:
                            failed: dict[str, str] | None = None,
                            pooled: Collection[str] = ()) -> list[Request]:
         """Advance the scheduled requests after the step ran; returns the requests that
-        got a new token, were pooled (``pooled``: an encoder's inputs, which end there) or
-        failed (``failed``: their sampling raised). Requests that finished are freed."""
+        got a new token, were pooled (``pooled``: pooling requests whose whole input is
+        computed, which end there) or failed (``failed``: their sampling raised). Requests
+        that finished are freed."""
         updated = []
         for item in output.scheduled:
             self.in_flight.discard(item.request_id)
