@@ -145,6 +145,8 @@ NASTY = [
      None),
     ("/v1/completions", {"prompt": "hi", "top_k": 10**9, "max_tokens": 2}, "application/json",
      None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "top_k": 2**63, "max_tokens": 2}, "application/json", 200),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1e308}, "max_tokens": 2},
      "application/json", None),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 1e30}, "application/json", 400),

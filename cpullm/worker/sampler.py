@@ -140,7 +140,8 @@ def _draw(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor
     exceeds the row's uniform number (inverse-CDF: 4 ms instead of 22 ms for exponential
     noise over 128 x 49152 on 2 cores)."""
     logits = logits / temperature[:, None]
-    top_k = torch.tensor([p.top_k for p in params])
+    # (a top_k past the vocabulary keeps every token; so large, it would not fit a tensor)
+    top_k = torch.tensor([min(p.top_k, logits.shape[-1]) for p in params])
     top_p = torch.tensor([p.top_p for p in params])
     if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
         logits = _apply_top_k_top_p(logits, top_k, top_p)
