@@ -123,7 +123,7 @@ class _SamplingFields(_Refusing):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extra sampling parameters
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=2**63 - 1)  # (an int64 past it)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     min_tokens: int = Field(default=0, ge=0)
