@@ -157,6 +157,17 @@ class EngineArgs:
         parser.add_argument("--distributed-executor-backend", default="mp", choices=["mp"],
                             help="how the ranks run: mp, a worker process per rank (the only "
                             "one; vLLM's flag)")
+        # vLLM's flags that change nothing here, so that its commands and benchmark case
+        # files run unchanged
+        parser.add_argument("--trust-remote-code", action="store_true",
+                            help="accepted for vLLM's commands: cpullm never runs code from a "
+                            "model folder")
+        parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                            default=True, help="accepted for vLLM's commands: prompts are "
+                            "always taken in chunks of the token budget")
+        parser.add_argument("--disable-log-stats", action="store_true",
+                            help="accepted for vLLM's commands: cpullm logs no periodic "
+                            "statistics (/metrics has them)")
         parser.add_argument("--served-model-name", default=d.served_model_name,
                             help="model name in the API; unset: the --model argument")
         parser.add_argument("--chat-template", default=d.chat_template,

@@ -26,7 +26,11 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=list(_BACKENDS), default="openai",
                         help="request shape: openai (completions, prompts as token ids), "
                         "openai-chat (chat completions, prompts as one user message) or "
-                        "openai-embeddings (/v1/embeddings, inputs as token ids)")
+                        "openai-embeddings (/v1/embeddings, inputs as token ids); vllm is "
+                        "openai, as vLLM's bench names it")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="generate max_tokens whatever the model says (so every request "
+                        "makes the same work)")
     parser.add_argument("--endpoint", default=None,
                         help="path of the API route (default: the backend's, "
                         "/v1/completions or /v1/chat/completions)")
@@ -82,6 +86,7 @@ _BACKENDS: dict[str, tuple[str, Callable[[str, BenchRequest], dict[str, Any]]]] 
     "openai": ("/v1/completions", _completion_body),
     "openai-chat": ("/v1/chat/completions", _chat_body),
     "openai-embeddings": ("/v1/embeddings", _embeddings_body),
+    "vllm": ("/v1/completions", _completion_body),  # vLLM bench's name for completions
 }
 
 
@@ -100,11 +105,11 @@ async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
 
 
 async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], prompt_len: int,
-               headers: dict[str, str]) -> RequestResult:
+               headers: dict[str, str], ignore_eos: bool = True) -> RequestResult:
     """One streamed request. As vLLM's client does, every chunk with choices is a token event:
     the first gives the TTFT, the others the inter-token latencies."""
     result = RequestResult(prompt_len=prompt_len)
-    body = {**body, "temperature": 0.0, "ignore_eos": True, "stream": True,
+    body = {**body, "temperature": 0.0, "ignore_eos": ignore_eos, "stream": True,
             "stream_options": {"include_usage": True}}
     start = last = time.perf_counter()
     try:
@@ -162,10 +167,14 @@ async def _run(args: argparse.Namespace, requests: list[BenchRequest], model: st
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(None)) as client:
         async def limited(request: BenchRequest) -> RequestResult:
-            one = _one_embedding if args.backend == "openai-embeddings" else _one
+            body = make_body(model, request)
             async with limit:
-                result = await one(client, url, make_body(model, request),
-                                   len(request.prompt_token_ids), headers)
+                if args.backend == "openai-embeddings":
+                    result = await _one_embedding(client, url, body,
+                                                  len(request.prompt_token_ids), headers)
+                else:
+                    result = await _one(client, url, body, len(request.prompt_token_ids),
+                                        headers, args.ignore_eos)
             bar.update(1)
             return result
 

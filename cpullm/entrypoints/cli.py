@@ -85,6 +85,22 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_recipe(args: argparse.Namespace) -> int:
+    from cpullm.recipes import hardware_classes, make_recipe
+
+    if args.list:
+        for name, spec in hardware_classes().items():
+            print(f"{name:10} {spec['description']}")
+        return 0
+    recipe = make_recipe(args.model, args.hardware, args.variant)
+    for path in recipe.write(args.output_dir):
+        print(f"wrote {path}")
+    print("\n".join(f"  {note}" for note in recipe.notes))
+    print(f"then: source {args.output_dir}/env.sh && cpullm serve --config "
+          f"{args.output_dir}/config.yml")
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "throughput":
         from cpullm.benchmarks.offline import run_throughput
@@ -98,6 +114,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from cpullm.benchmarks.allreduce import run_allreduce
 
         run_allreduce(args)
+    elif args.bench == "suite":
+        from cpullm.benchmarks.suite import run_suite
+
+        report = run_suite(args)
+        return 1 if report.failed else 0
     elif args.bench == "soak":
         from cpullm.benchmarks.soak import run_soak
 
@@ -114,7 +135,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from cpullm.entrypoints.openai.api_server import run_server
 
     if args.model_tag is not None:  # `serve MODEL` and `serve --model MODEL` are the same
-        if args.model is not None and args.model != args.model_tag:
+        from_file = "model" in getattr(args, "config_dests", ())
+        if args.model is not None and args.model != args.model_tag and not from_file:
             raise ValueError(f"model: given twice, as {args.model_tag!r} and --model "
                              f"{args.model!r}")
         args.model = args.model_tag
@@ -186,7 +208,33 @@ def build_parser() -> argparse.ArgumentParser:
         description="Soak a running server: concurrent streaming clients for a set time, a "
         "share of them disconnecting mid-stream; then report errors, leaked KV blocks, "
         "resident memory and latency percentiles. Exits 1 on any error or leaked block."))
+    from cpullm.benchmarks.suite import add_suite_args
+
+    add_suite_args(bench_sub.add_parser(
+        "suite", help="serving benchmark cases from a JSON file (vLLM CPU's suite shape)",
+        description="Run serving benchmark cases from a JSON file shaped like vLLM CPU's "
+        "serving-tests-cpu.json: per case start the server, wait for /health, run the "
+        "clients, stop it; write the commands, the results, a markdown table and PNG plots. "
+        "DRY_RUN=1 writes the commands only; SERVING_JSON, MODEL_FILTER and DTYPE_FILTER as "
+        "in vLLM's script."))
     commands["bench"] = _cmd_bench
+
+    recipe = sub.add_parser(
+        "recipe", help="write config.yml and env.sh for a model on a hardware class",
+        description="Plan a model on a hardware class (ranks per NUMA node, thread binding, KV "
+        "cache, batch budgets) from the recipes shipped with cpullm, and write vLLM's "
+        "config.yml (for `cpullm serve --config`) and env.sh.")
+    recipe.add_argument("--model", default=None,
+                        help="model folder, GGUF file or hub name (a name not on this machine "
+                        "is planned from what it says: family, size); unset: the default model")
+    recipe.add_argument("--hardware", default="auto",
+                        help="hardware class (--list shows them), or auto: this machine")
+    recipe.add_argument("--variant", default=None,
+                        help="a variant of the recipe (latency, or a quantization format); "
+                        "unset: the model's quantization format where the recipe has one")
+    recipe.add_argument("--output-dir", default=".", help="folder of config.yml and env.sh")
+    recipe.add_argument("--list", action="store_true", help="list the hardware classes")
+    commands["recipe"] = _cmd_recipe
 
     env = sub.add_parser("env", help="print the platform, configuration and library versions",
                          description="Print the platform, the effective configuration and "
@@ -203,8 +251,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _with_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """``COMMAND --config FILE``: the file's flags become that command's defaults."""
+    from cpullm.entrypoints.config_file import CONFIG_FLAG, apply_config_file, config_path
+
+    path = config_path(argv)
+    if path is None or not argv:
+        return
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command = subparsers.choices.get(argv[0])
+    if command is None or CONFIG_FLAG not in command._option_string_actions:
+        return  # argparse says the flag is unknown there
+    command.set_defaults(config_dests=apply_config_file(command, path))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        _with_config_file(parser, argv)
+    except ValueError as e:
+        parser.exit(2, f"cpullm: error: {e}\n")
     args = parser.parse_args(argv)
     try:
         return args._commands[args.command](args)

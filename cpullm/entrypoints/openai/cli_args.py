@@ -6,6 +6,7 @@ import argparse
 import json
 
 from cpullm.engine_args import SERVE_DEFAULTS, EngineArgs
+from cpullm.entrypoints.config_file import add_config_arg
 
 SERVE_EPILOG = """\
 environment variables (vLLM CPU's names and meanings):
@@ -39,6 +40,7 @@ def _origins(text: str) -> list[str]:
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="model folder or GGUF file, the same as --model")
+    add_config_arg(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--api-key", nargs="+", default=None,
