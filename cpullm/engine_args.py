@@ -224,7 +224,9 @@ class EngineArgs:
         model_dtype = getattr(hf_config, "dtype", None)
         if isinstance(model_dtype, str):
             model_dtype = getattr(torch, model_dtype, None)
-        dtype = resolve_dtype(self.dtype, model_dtype, topology.info)
+        from cpullm.platform.zen import fast_fp16, zen_platform
+
+        dtype = resolve_dtype(self.dtype, model_dtype, topology.info, fast_fp16(zen_platform()))
         logger.info("dtype: %s (asked: %s)", str(dtype).removeprefix("torch."), self.dtype)
 
         from cpullm.model_executor.models import get_model_class  # (models import the loader)

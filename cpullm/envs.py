@@ -60,6 +60,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (the server then steps it on a thread), 1 moves it out (also under LLM()). Unset
     # (None): the server moves it out, LLM() keeps it.
     "VLLM_ENABLE_V1_MULTIPROCESSING": lambda: _optional_bool("VLLM_ENABLE_V1_MULTIPROCESSING"),
+    # On the AMD Zen platform (zentorch installed): 0 hands zentorch the weights in their
+    # plain layout instead of prepacking them for it at load.
+    "VLLM_ZENTORCH_WEIGHT_PREPACK": lambda: _optional_bool("VLLM_ZENTORCH_WEIGHT_PREPACK")
+    is not False,
     # cpullm's own: 0 sends the tensor-parallel all-reduces of one host through gloo
     # instead of shared memory (for measuring; shared memory is the default).
     "CPULLM_SHM_ALLREDUCE": lambda: _optional_bool("CPULLM_SHM_ALLREDUCE") is not False,

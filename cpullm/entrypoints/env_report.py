@@ -34,6 +34,16 @@ def collect(engine_args: EngineArgs) -> str:
         lines.append(f"NUMA node {node.node}: CPUs {format_cpu_list(list(node.cpus))}, "
                      f"{node.mem_total / 2**30:.1f} GiB total, "
                      f"{node.mem_available / 2**30:.1f} GiB available")
+    from cpullm.platform.zen import is_zen_cpu, zen_platform
+
+    zentorch = zen_platform()
+    if zentorch is not None:
+        zen = f"selected (zentorch {getattr(zentorch, '__version__', '?')})"
+    elif not is_zen_cpu(info):
+        zen = "not selected: not an AMD CPU with AVX-512"
+    else:
+        zen = "not selected: zentorch does not import (pip install 'cpullm[zen]')"
+    lines.append(f"AMD Zen platform: {zen}")
     lines.append(f"torch: {torch.__version__}, {torch.get_num_threads()} threads, "
                  f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
 

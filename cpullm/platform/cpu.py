@@ -96,10 +96,11 @@ _DTYPES = {
 
 
 def resolve_dtype(requested: str | torch.dtype, model_dtype: torch.dtype | None,
-                  info: CpuInfo | None = None) -> torch.dtype:
+                  info: CpuInfo | None = None, fast_fp16: bool | None = None) -> torch.dtype:
     """Pick the compute dtype: ``auto`` means bfloat16 first (the checkpoint's float16
     included, by the float16 rule below), float16 falls back to bfloat16 where this CPU
-    has no fast float16, with vLLM's warning."""
+    has no fast float16 (``fast_fp16``: a platform's own word on it, else the CPU's flags),
+    with vLLM's warning."""
     info = info or cpu_info()
     if isinstance(requested, torch.dtype):
         dtype = requested
@@ -110,7 +111,8 @@ def resolve_dtype(requested: str | torch.dtype, model_dtype: torch.dtype | None,
     else:
         raise ValueError(f"dtype: unknown value {requested!r}; "
                          f"choose from auto, float32, bfloat16, float16")
-    if dtype == torch.float16 and not info.supports_fast_fp16:
+    if dtype == torch.float16 and not (info.supports_fast_fp16 if fast_fp16 is None
+                                       else fast_fp16):
         logger.warning(_FP16_FALLBACK_WARNING)
         dtype = torch.bfloat16
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):

@@ -66,8 +66,7 @@ def weight_bytes(model: nn.Module) -> int:
         held = [getattr(module, "gemm", None), *(s.gemm for s in segments),
                 *(s.dense for s in segments)]
         for item in held:
-            parts = (item.panels, item.panel_bias, item.onednn, item.bias) \
-                if isinstance(item, PackedGemm) else (item,)
+            parts = item.tensors() if isinstance(item, PackedGemm) else (item,)
             for t in parts:
                 if t is not None:
                     tensors[id(t)] = t

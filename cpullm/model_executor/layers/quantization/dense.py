@@ -135,9 +135,21 @@ class PackedGemm:
         if ops is None or weight.dtype not in (torch.bfloat16, torch.float16):
             return None
         try:
-            return cls(weight, bias, ops, silu_mul)
+            gemm = cls(weight, bias, ops, silu_mul)
         except RuntimeError:  # no oneDNN
             return None
+        from cpullm.platform.zen import zen_platform
+
+        zentorch = zen_platform()
+        if zentorch is not None:  # the AMD Zen platform: zentorch where it is faster
+            from cpullm.model_executor.layers.quantization.zen import zen_gemm
+
+            return zen_gemm(gemm, weight, bias, zentorch)
+        return gemm
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        """What the packed weight holds, for counting its memory."""
+        return [self.panels, self.panel_bias, self.onednn, self.bias]
 
     @property
     def silu_mul(self) -> bool:
