@@ -121,6 +121,7 @@ def test_the_default_models(tmp_path):
     encoder: no KV cache, a replica per node, a budget that holds its longest input."""
     chat = make_recipe(None, "xeon6")
     assert chat.variant == "gguf" and "model" not in chat.config
+    assert chat.config["quantization"] == "gguf"
     facts = model_facts("sentence-transformers/all-MiniLM-L6-v2")
     assert (facts.family, facts.task) == ("encoder", "embed")
     embed = make_recipe("sentence-transformers/all-MiniLM-L6-v2", "epyc-zen5")
