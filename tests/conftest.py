@@ -65,6 +65,15 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
                                                               rope_theta=10000.0),
                                     "full_attention": dict(rope_type="linear", factor=4.0,
                                                            rope_theta=1000000.0)}),
+    # layer 0 sliding (window 24), 1 full; YaRN; 8 experts, 2 a token; a SwiGLU limit low
+    # enough to clip; the expert biases (zero at init) and the sinks drawn wide
+    "gpt_oss": dict(cls="GptOssConfig", head_dim=16, num_local_experts=8,
+                    num_experts_per_tok=2, sliding_window=24, swiglu_limit=0.5,
+                    layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
+                                         beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                         original_max_position_embeddings=256),
+                    randomize={"_bias": 0.3, "sinks": 1.0}),
 }
 
 
@@ -84,10 +93,16 @@ def make_tiny_model(path: Path, tokenizer_dir: Path, arch: str, seed: int = 0) -
 
     spec = dict(ARCHITECTURES[arch])
     config_cls = getattr(transformers, spec.pop("cls"))
+    randomize = spec.pop("randomize", {})  # parameter name suffix -> std of a fresh draw
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = config_cls(**{**TINY, "vocab_size": len(tokenizer), **spec})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            std = next((v for suffix, v in randomize.items() if name.endswith(suffix)), None)
+            if std is not None:
+                param.normal_(0.0, std)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

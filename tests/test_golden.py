@@ -77,7 +77,8 @@ def test_prefix_cache_hits_give_same_tokens(tiny_model):
     assert_pool_free(llm)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "glm4", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "glm4", "gemma2", "gemma3",
+                                  "gpt_oss"])
 def test_kernels_equal_enforce_eager(tiny_model, arch):
     model_dir = str(tiny_model(arch))
     prompts = make_prompts(2048)
@@ -127,11 +128,11 @@ def test_unsupported_architecture_is_named(tmp_path, tokenizer_dir):
 
 
 @pytest.mark.parametrize("arch", ["granite", "gemma2", "gemma3", "phi3", "qwen3_moe",
-                                  "qwen2_moe"])
+                                  "qwen2_moe", "gpt_oss"])
 def test_prompt_logprobs_match_transformers(tiny_model, arch):
     """What greedy tokens may not show: Granite's logits scaling, the Gemmas' soft-caps and the
     windows of their sliding layers and Phi-3's (the prompt is longer than both), the MoE
-    routing weights and the shared expert's gate."""
+    routing weights and the shared expert's gate, gpt-oss's sinks, biases and clipping."""
     from transformers import AutoModelForCausalLM
 
     model_dir = str(tiny_model(arch))

@@ -97,9 +97,12 @@ class PagedAttention(nn.Module):
         self.scale = scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
-        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]. ``sinks``: [num_heads]
+        float32 logits of an attention sink per head (gpt-oss): each is one more term of its
+        head's softmax denominator, attached to no value; the plain torch paths run them."""
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         window = meta.sliding_window if self.window is None else self.window
         flat_shape = (-1, self.num_kv_heads, self.head_dim)
@@ -108,13 +111,13 @@ class PagedAttention(nn.Module):
 
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
-        if nd and self.ops is not None:
+        if nd and self.ops is not None and sinks is None:
             # Reads each sequence's blocks in place: no gather, no padding.
             self.ops.decode_attention(out[:nd], q[:nd], key_cache, value_cache,
                                       meta.decode_block_tables, meta.decode_seq_lens,
                                       self.scale, window, self.softcap)
         elif nd:
-            out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta, window)
+            out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta, window, sinks)
         if nd < q.shape[0]:
             num_prefills = meta.prefill_block_tables.shape[0]
             max_q = meta.prefill_max_query_len
@@ -126,7 +129,7 @@ class PagedAttention(nn.Module):
                 padded = q.new_zeros(num_prefills * max_q, self.num_heads, self.head_dim)
                 padded[meta.prefill_query_index] = q[nd:]
             max_len = meta.prefill_block_tables.shape[1] * key_cache.shape[1]
-            if (self.prefill_softmax is not None and q.dtype == torch.bfloat16
+            if (self.prefill_softmax is not None and q.dtype == torch.bfloat16 and sinks is None
                     and num_prefills * self.num_heads * max_q * max_len <= _MAX_SCORES):
                 # Whole fresh prompts of one length: their keys and values are this step's.
                 fresh = (k[nd:], v[nd:]) if dense and meta.prefill_fresh else None
@@ -136,7 +139,7 @@ class PagedAttention(nn.Module):
                 query = padded.view(num_prefills, max_q, self.num_heads,
                                     self.head_dim).transpose(1, 2)
                 result = self._attend(query, key_cache, value_cache, meta.prefill_block_tables,
-                                      meta.prefill_mask(window)).transpose(1, 2)
+                                      meta.prefill_mask(window), sinks).transpose(1, 2)
             if dense:  # one copy, straight from the permuted view
                 out[nd:].view(result.shape).copy_(result)
             else:
@@ -176,7 +179,8 @@ class PagedAttention(nn.Module):
         return out.view(num_prefills, kv_heads, group, max_q, dim).permute(0, 3, 1, 2, 4)
 
     def _decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, window: int) -> torch.Tensor:
+                meta: AttentionMetadata, window: int,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One query per request: two batched matmuls per KV head group. For a single query
         row this is several times faster than the flash kernel of SDPA on CPU."""
         num_seqs = q.shape[0]
@@ -190,21 +194,26 @@ class PagedAttention(nn.Module):
         scores = torch.einsum("skgd,stkd->skgt", query, keys)  # [seqs, kv_heads, group, len]
         scores = self._soft_cap(scores.float() * self.scale).masked_fill_(
             ~meta.decode_mask(window), float("-inf"))
-        probs = scores.softmax(dim=-1).to(q.dtype)
+        probs = _softmax_with_sinks(scores, None if sinks is None else sinks.view(
+            1, self.num_kv_heads, group, 1)).to(q.dtype)
         out = torch.einsum("skgt,stkd->skgd", probs, values)
         return out.reshape(num_seqs, self.num_heads, self.head_dim)
 
     def _attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                block_tables: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                block_tables: torch.Tensor, mask: torch.Tensor,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         num_seqs = block_tables.shape[0]
         # [num_seqs, max_blocks, block_size, kv_heads, d] -> [num_seqs, kv_heads, max_len, d]
         keys = key_cache[block_tables].view(num_seqs, -1, self.num_kv_heads, self.head_dim)
         values = value_cache[block_tables].view(num_seqs, -1, self.num_kv_heads, self.head_dim)
-        if self.softcap:  # SDPA has no soft-cap: the scores in full, as transformers does
+        if self.softcap or sinks is not None:
+            # SDPA has neither soft-caps nor sinks: the scores in full, as transformers does
             group = self.num_heads // self.num_kv_heads
             keys_t = keys.permute(0, 2, 3, 1).repeat_interleave(group, dim=1)  # [s, h, d, len]
             scores = self._soft_cap(torch.matmul(query, keys_t) * self.scale)
-            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32)
+            scores = scores.masked_fill(~mask, float("-inf"))
+            probs = scores.softmax(-1, dtype=torch.float32) if sinks is None else \
+                _softmax_with_sinks(scores.float(), sinks.view(1, -1, 1, 1))
             values_h = values.transpose(1, 2).repeat_interleave(group, dim=1)
             return torch.matmul(probs.to(query.dtype), values_h)
         return F.scaled_dot_product_attention(
@@ -215,3 +224,13 @@ class PagedAttention(nn.Module):
         if not self.softcap:
             return scores
         return torch.tanh(scores / self.softcap) * self.softcap
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dimension of float32 ``scores``; with ``sinks`` (broadcast to
+    scores[..., :1]) each row's denominator has one more term, exp(sink), as gpt-oss
+    trains it: a query may attend to nothing."""
+    if sinks is None:
+        return scores.softmax(dim=-1)
+    combined = torch.cat([scores, sinks.expand(*scores.shape[:-1], 1).float()], dim=-1)
+    return combined.softmax(dim=-1)[..., :-1]

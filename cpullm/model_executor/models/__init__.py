@@ -17,6 +17,7 @@ from cpullm.model_executor.models.gemma import (
     GemmaForCausalLM,
 )
 from cpullm.model_executor.models.glm import Glm4ForCausalLM, GlmForCausalLM
+from cpullm.model_executor.models.gpt_oss import GptOssForCausalLM
 from cpullm.model_executor.models.llama import (
     GraniteForCausalLM,
     LlamaForCausalLM,
@@ -52,6 +53,9 @@ MODEL_REGISTRY: dict[str, tuple[type[nn.Module], str]] = {
                             "gated shared expert"),
     "Qwen3MoeForCausalLM": (Qwen3MoeForCausalLM, "Qwen3-MoE (30B-A3B, ...); routed experts, "
                             "q/k norms"),
+    "GptOssForCausalLM": (GptOssForCausalLM, "gpt-oss-20b, gpt-oss-120b; attention sinks, "
+                          "sliding and full layers, YaRN, biased router and experts, clamped "
+                          "SwiGLU, MXFP4 experts (dequantized at load)"),
     "GlmForCausalLM": (GlmForCausalLM, "GLM-4; interleaved partial rotary, fused gate-up"),
     "Glm4ForCausalLM": (Glm4ForCausalLM, "GLM-4-0414; and post-block norms"),
     # encoders, for pooling (--task embed / score)

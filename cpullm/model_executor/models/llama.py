@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cpullm import distributed
 from cpullm.model_executor.layers.attention import AttentionMetadata, PagedAttention
 from cpullm.model_executor.layers.embedding import LMHead, VocabEmbedding
 from cpullm.model_executor.layers.linear import GateUpSiluLinear, QKVLinear, RowParallelLinear
@@ -38,10 +39,11 @@ class LlamaAttention(nn.Module):
                  qk_norm: bool, dtype: torch.dtype, ops: KernelTable | None,
                  quant_config: QuantizationConfig | None, scale: float | None = None,
                  window: int | None = None, norm: type[RMSNorm] = RMSNorm,
-                 softcap: float = 0.0) -> None:
+                 softcap: float = 0.0, sinks: bool = False) -> None:
         """``scale``: of the attention scores (default: Granite's multiplier, else 1 / sqrt
         of the head size); ``window``: this layer's own sliding window (0: none; default:
-        the model's); ``norm``: the q/k norm's class; ``softcap``: the scores' soft-cap."""
+        the model's); ``norm``: the q/k norm's class; ``softcap``: the scores' soft-cap;
+        ``sinks``: a learned attention-sink logit per head (gpt-oss's ``sinks``)."""
         super().__init__()
         num_heads = config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
@@ -62,6 +64,17 @@ class LlamaAttention(nn.Module):
             scale = getattr(config, "attention_multiplier", None) or self.head_dim ** -0.5
         self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_kv_heads,
                                    scale=scale, ops=ops, window=window, softcap=softcap)
+        self.sinks: nn.Parameter | None = None
+        if sinks:  # float32 whatever the dtype, as the softmax they join; this rank's heads
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
+            first = distributed.tp_rank() * self.num_heads
+
+            def load_sinks(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
+                if loaded.shape != (num_heads,):
+                    raise ValueError(f"checkpoint {tuple(loaded.shape)}, model ({num_heads},)")
+                param.data.copy_(loaded[first:first + self.num_heads])
+
+            self.sinks.weight_loader = load_sinks  # type: ignore[attr-defined]
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -72,7 +85,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, meta)  # [num_tokens, num_heads, head_dim]
+        out = self.attn(q, k, v, kv_cache, meta, self.sinks)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.view(-1, self.q_size))
 
 

@@ -16,7 +16,7 @@ float32 sums are the same.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -41,16 +41,20 @@ class SparseMoE(nn.Module):
 
     def __init__(self, hidden_size: int, expert_size: int, num_experts: int, top_k: int,
                  normalize: bool, dtype: torch.dtype, ops: KernelTable | None,
-                 quant_config: QuantizationConfig | None, shared_size: int = 0) -> None:
+                 quant_config: QuantizationConfig | None, shared_size: int = 0,
+                 expert: Callable[[], nn.Module] | None = None, gate_bias: bool = False
+                 ) -> None:
+        """``expert``: makes one expert (default: a Llama MLP of ``expert_size``), whose
+        tensor-parallel partial sums it leaves unreduced; ``gate_bias``: the router's."""
         super().__init__()
         self.top_k, self.normalize, self.num_experts = top_k, normalize, num_experts
-        self.gate = ReplicatedLinear(hidden_size, num_experts, dtype=dtype,
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=gate_bias, dtype=dtype,
                                      quant_config=quant_config)
         # Under tensor parallelism every rank holds its part of every expert; the partial
         # sums of all experts (and the shared one) are summed over the ranks once.
-        self.experts = nn.ModuleList(LlamaMLP(hidden_size, expert_size, False, dtype, ops,
-                                              quant_config, reduce=False)
-                                     for _ in range(num_experts))
+        expert = expert or (lambda: LlamaMLP(hidden_size, expert_size, False, dtype, ops,
+                                             quant_config, reduce=False))
+        self.experts = nn.ModuleList(expert() for _ in range(num_experts))
         self.shared_expert: LlamaMLP | None = None
         if shared_size:
             self.shared_expert = LlamaMLP(hidden_size, shared_size, False, dtype, ops,

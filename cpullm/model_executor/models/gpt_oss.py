@@ -1,0 +1,167 @@
+"""gpt-oss (``GptOssForCausalLM``: gpt-oss-20b, gpt-oss-120b): a Llama-layout decoder whose
+every feed-forward block is a mixture of experts, with
+
+- attention: biased q/k/v/o, a learned sink logit per head (one more term of each
+  softmax denominator, attached to no value), and layers that alternate between a sliding
+  window (``layer_types``) and the whole context; YaRN rotary (the rotary embedding's);
+- a router with a bias, whose top-k logits are softmaxed (not all of them);
+- experts with biases and a clamped SwiGLU: gate and up come interleaved (even and odd
+  columns) in the checkpoint, gate is clipped above at ``swiglu_limit``, up to
+  +-``swiglu_limit``, and the output is (up + 1) * gate * sigmoid(``swiglu_alpha`` * gate).
+
+Checkpoints store each layer's experts stacked: ``experts.gate_up_proj`` [experts, hidden,
+2 x intermediate] and ``experts.down_proj`` [experts, intermediate, hidden] (transposed
+against a linear layer's weight), with biases; OpenAI's releases store the two weights in
+MXFP4 (``*_blocks``: 4-bit e2m1 values, two a byte, 32 to a block; ``*_scales``: a power of
+two per block, e8m0), dequantized here at load. They load into one ordinary linear layer
+per expert and projection (de-interleaved, gate rows then up rows), so the experts run as
+those of the other mixtures do (``SparseMoE``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cpullm.model_executor.layers.linear import MergedColumnLinear, RowParallelLinear
+from cpullm.model_executor.layers.ops import KernelTable
+from cpullm.model_executor.layers.quantization import QuantizationConfig
+from cpullm.model_executor.layers.rotary import RotaryEmbedding
+from cpullm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from cpullm.model_executor.models.qwen_moe import SparseMoE
+
+# the e2m1 values of a 4-bit code (the sign is its top bit)
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+class GptOssExpert(nn.Module):
+    """One expert: gate-up (gate rows, then up rows) and down, both biased, around the
+    clamped SwiGLU."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, alpha: float, limit: float,
+                 dtype: torch.dtype, quant_config: QuantizationConfig | None) -> None:
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate_size] * 2, bias=True,
+                                               dtype=dtype, quant_config=quant_config)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=True,
+                                           dtype=dtype, quant_config=quant_config, reduce=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
+
+
+class GptOssMoE(SparseMoE):
+    """Routed by the top-k of the router's biased logits, softmaxed among themselves."""
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.gate(x)  # [tokens, num_experts]
+        top, experts = torch.topk(logits, self.top_k, dim=-1)
+        return experts, F.softmax(top, dim=-1, dtype=top.dtype)
+
+
+class GptOssDecoderLayer(LlamaDecoderLayer):
+    def __init__(self, config: Any, rotary: RotaryEmbedding, flags: dict[str, bool],
+                 dtype: torch.dtype, ops: KernelTable | None,
+                 quant_config: QuantizationConfig | None, index: int = 0) -> None:
+        kinds = getattr(config, "layer_types", None) or ["full_attention"] * \
+            config.num_hidden_layers
+        window = (config.sliding_window or 0) if kinds[index] == "sliding_attention" else 0
+        super().__init__(config, rotary, {**flags, "window": window, "sinks": True}, dtype,
+                         ops, quant_config, index)
+
+    @staticmethod
+    def make_mlp(config: Any, index: int, dtype: torch.dtype, ops: KernelTable | None,
+                 quant_config: QuantizationConfig | None) -> nn.Module:
+        def expert() -> GptOssExpert:
+            return GptOssExpert(config.hidden_size, config.intermediate_size,
+                                config.swiglu_alpha, config.swiglu_limit, dtype, quant_config)
+
+        return GptOssMoE(config.hidden_size, config.intermediate_size,
+                         config.num_local_experts, config.num_experts_per_tok, True, dtype,
+                         ops, quant_config, expert=expert, gate_bias=True)
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    decoder_layer = GptOssDecoderLayer
+
+    @staticmethod
+    def layer_flags(config: Any) -> dict[str, bool]:
+        bias = bool(getattr(config, "attention_bias", True))
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_per_expert(weights))
+
+
+def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's names and tensors as the model's: the router as the gate, each
+    layer's stacked experts (MXFP4 ones dequantized) as tensors per expert, [out, in], the
+    interleaved gate-up as gate_proj and up_proj (the merged layer's shards, which tensor
+    parallelism splits each)."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 blocks waiting for scales
+    for name, tensor in weights:
+        if ".mlp.router." in name:
+            yield name.replace(".mlp.router.", ".mlp.gate."), tensor
+            continue
+        if ".mlp.experts." not in name:
+            yield name, tensor
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        if leaf.endswith(("_blocks", "_scales")):
+            projection, _, part = leaf.rpartition("_")
+            parts = pending.setdefault(f"{prefix}.{projection}", {})
+            parts[part] = tensor
+            if len(parts) < 2:
+                continue
+            del pending[f"{prefix}.{projection}"]
+            # MXFP4 is stored [experts, out, in]: a linear layer's [out, in] per expert
+            yield from _split_experts(prefix, projection,
+                                      dequantize_mxfp4(parts["blocks"], parts["scales"]),
+                                      transposed=False)
+        else:  # [experts, in, out] weights, [experts, out] biases
+            bias = leaf.endswith("_bias")
+            projection = leaf.removesuffix("_bias")
+            yield from _split_experts(prefix, projection, tensor, transposed=not bias,
+                                      bias=bias)
+    if pending:
+        raise ValueError(f"checkpoint: MXFP4 {sorted(pending)} lack their blocks or scales")
+
+
+def _split_experts(prefix: str, projection: str, tensor: torch.Tensor, transposed: bool,
+                   bias: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    if projection not in ("gate_up_proj", "down_proj"):
+        raise ValueError(f"checkpoint tensor {prefix}.{projection}: not a gpt-oss expert "
+                         "projection")
+    leaf = "bias" if bias else "weight"
+    for expert, part in enumerate(tensor.unbind(0)):
+        if transposed:
+            part = part.t()  # [out, in]
+        if projection == "gate_up_proj":  # even rows gate, odd rows up: the merged layer's
+            yield f"{prefix}.{expert}.gate_proj.{leaf}", part[0::2].contiguous()  # shards
+            yield f"{prefix}.{expert}.up_proj.{leaf}", part[1::2].contiguous()
+        else:
+            yield f"{prefix}.{expert}.{projection}.{leaf}", part.contiguous()
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[..., groups, 16] uint8 codes (two e2m1 values a byte, the low nibble first) and
+    [..., groups] uint8 e8m0 exponents -> [..., groups * 32] float32."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 \
+            or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales "
+                         f"{tuple(scales.shape)} {scales.dtype} do not match")
+    table = torch.tensor(_FP4_VALUES, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)  # [..., groups, 32]
+    values = table[codes.long()]
+    exponents = scales.to(torch.int32) - 127
+    return torch.ldexp(values, exponents[..., None].float()).flatten(-2)
