@@ -77,3 +77,29 @@ def test_mxfp4_checkpoint_equals_transformers_on_its_values(tmp_path, tiny_model
     got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16,
                                                ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == expected
+
+
+def test_bfloat16_kernels_apply_the_sinks(tiny_model):
+    """In bfloat16 the compiled paths (the prompt softmax kernel, the decode kernel) apply
+    the sinks as the eager torch paths do: close prompt logprobs, and the same greedy
+    continuation."""
+    model_dir = str(tiny_model("gpt_oss"))
+    prompt = torch.randint(100, 2000, (60,), generator=torch.Generator().manual_seed(7)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+
+    def logprobs(llm):
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        return torch.tensor([entry[prompt[i + 1]].logprob
+                             for i, entry in enumerate(out.prompt_logprobs[1:])])
+
+    compiled = LLM(model_dir, dtype="bfloat16", block_size=32)
+    assert compiled.llm_engine.model_runner.model.model.layers[0].self_attn.attn.ops is not None
+    eager = LLM(model_dir, dtype="bfloat16", block_size=32, enforce_eager=True)
+    fp32 = LLM(model_dir, dtype="float32", block_size=32, enforce_eager=True)
+    fast, slow, exact = logprobs(compiled), logprobs(eager), logprobs(fp32)
+    assert (fast - slow).abs().max() < 0.15
+    assert (fast - exact).abs().mean() < 0.1 and (fast - exact).abs().max() < 0.5
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    a = compiled.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    b = eager.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert a == b

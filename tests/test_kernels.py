@@ -21,17 +21,19 @@ def test_kernels_build():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,dim,window,softcap", [
-    (6, 2, 64, 0, 0.0),     # SmolLM2-like: 3 query heads per KV head
-    (9, 9, 32, 0, 0.0),     # no grouping, one 32-wide chunk
-    (32, 4, 128, 0, 0.0),   # 8 query heads per KV head, 128-wide heads
-    (10, 2, 96, 0, 0.0),    # 96-wide heads: values in 32-wide passes
-    (6, 2, 64, 50, 0.0),    # sliding window
-    (12, 1, 64, 0, 0.0),    # more query heads per KV head than the bfloat16 kernel takes
-    (8, 4, 64, 50, 1.5),    # Gemma 2: soft-capped scores, a window
-    (12, 1, 64, 0, 1.5),    # soft-capped, in the generic kernel
+@pytest.mark.parametrize("heads,kv_heads,dim,window,softcap,sinks", [
+    (6, 2, 64, 0, 0.0, False),     # SmolLM2-like: 3 query heads per KV head
+    (9, 9, 32, 0, 0.0, False),     # no grouping, one 32-wide chunk
+    (32, 4, 128, 0, 0.0, False),   # 8 query heads per KV head, 128-wide heads
+    (10, 2, 96, 0, 0.0, False),    # 96-wide heads: values in 32-wide passes
+    (6, 2, 64, 50, 0.0, False),    # sliding window
+    (12, 1, 64, 0, 0.0, False),    # more query heads per KV head than the bfloat16 kernel takes
+    (8, 4, 64, 50, 1.5, False),    # Gemma 2: soft-capped scores, a window
+    (12, 1, 64, 0, 1.5, False),    # soft-capped, in the generic kernel
+    (8, 2, 64, 50, 0.0, True),     # gpt-oss: a sink logit per head, a window
+    (12, 1, 64, 0, 0.0, True),     # sinks in the generic kernel
 ])
-def test_decode_attention_matches_sdpa(dtype, heads, kv_heads, dim, window, softcap):
+def test_decode_attention_matches_sdpa(dtype, heads, kv_heads, dim, window, softcap, sinks):
     torch.manual_seed(0)
     seqs, block, blocks = 5, 32, 40
     key_cache = torch.randn(blocks, block, kv_heads, dim, dtype=dtype)
@@ -41,21 +43,28 @@ def test_decode_attention_matches_sdpa(dtype, heads, kv_heads, dim, window, soft
     # q as the model passes it: a view into a wider fused QKV row
     q = torch.randn(seqs, (heads + 2) * dim, dtype=dtype)[:, :heads * dim].view(seqs, heads, dim)
     out = torch.empty(seqs, heads, dim, dtype=dtype)
+    sink = torch.randn(heads) * 2 if sinks else None
     ops.decode_attention(out, q, key_cache, value_cache, tables, lens, dim ** -0.5, window,
-                         softcap)
+                         softcap, sink)
     keys = key_cache[tables].view(seqs, -1, kv_heads, dim).transpose(1, 2).float()
     values = value_cache[tables].view(seqs, -1, kv_heads, dim).transpose(1, 2).float()
     positions = torch.arange(4 * block)[None]
     mask = positions < lens[:, None]
     if window:
         mask &= positions >= lens[:, None] - window
-    if softcap:  # SDPA has no soft-cap: the scores in full
+    if softcap or sinks:  # SDPA has neither soft-caps nor sinks: the scores in full
         keys = keys.repeat_interleave(heads // kv_heads, dim=1)
         values = values.repeat_interleave(heads // kv_heads, dim=1)
         scores = q.float().unsqueeze(2) @ keys.transpose(2, 3) * dim ** -0.5
-        scores = (torch.tanh(scores / softcap) * softcap).masked_fill(
-            ~mask[:, None, None, :], float("-inf"))
-        expected = (scores.softmax(-1) @ values).squeeze(2)
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        if sinks:  # one more logit per head in the denominator
+            column = sink.view(1, heads, 1, 1).expand(seqs, heads, 1, 1)
+            probs = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        expected = (probs @ values).squeeze(2)
     else:
         expected = F.scaled_dot_product_attention(q.unsqueeze(2).float(), keys, values,
                                                   attn_mask=mask[:, None, None, :],

@@ -4,11 +4,23 @@
 #include "vec.h"
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace cpullm {
 
 namespace {
+
+constexpr float kNoSink = -std::numeric_limits<float>::infinity();
+
+// The sink logits of attention sinks, one float32 per query head, or nullptr.
+const float* sink_logits(const c10::optional<at::Tensor>& sinks, int64_t num_heads) {
+  if (!sinks.has_value()) return nullptr;
+  TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+              sinks->numel() == num_heads, "attention sinks: ", num_heads,
+              " contiguous float32 logits expected");
+  return sinks->data_ptr<float>();
+}
 
 // Scores of one query group against every key of one KV head of one sequence:
 // scores[g * n + (t - first)] = q_g . k_t * scale.
@@ -97,7 +109,7 @@ template <typename T>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, double scale, int64_t window,
-                           double softcap) {
+                           double softcap, const float* sinks) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
@@ -130,7 +142,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
                    first, len, group, head_dim, block_size, block_stride, token_stride,
                    key.data());
       if (softcap > 0) soft_cap(scores.data(), group * n, static_cast<float>(softcap));
-      for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * n, n);
+      for (int64_t g = 0; g < group; ++g)
+        softmax(scores.data() + g * n, n, sinks ? sinks[kvh * group + g] : kNoSink);
       weighted_values(acc.data(), scores.data(), vp + kvh * head_dim, bt + s * max_blocks,
                       first, len, group, head_dim, block_size, block_stride, token_stride,
                       value.data());
@@ -245,7 +258,7 @@ using PagedValuesFn = void (*)(float*, int64_t, const float*, const c10::BFloat1
 bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, double scale, int64_t window,
-                           double softcap) {
+                           double softcap, const float* sinks) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, chunks = head_dim / 32;
@@ -301,7 +314,8 @@ bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tenso
                 next_item);
       next_item.step(next_item.len);  // what the scores did not reach (a longer next item)
       if (softcap > 0) soft_cap(scores.data(), group * n, static_cast<float>(softcap));
-      for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * n, n);
+      for (int64_t g = 0; g < group; ++g)
+        softmax(scores.data() + g * n, n, sinks ? sinks[kvh * group + g] : kNoSink);
       values_fn(acc.data(), head_dim, scores.data(), vp + kvh * head_dim, bt + s * max_blocks,
                 first, len, block_size, block_stride, token_stride);
       c10::BFloat16* dst = op + (s * num_heads + kvh * group) * head_dim;
@@ -317,20 +331,21 @@ bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tenso
 
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
                       at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                      int64_t window, double softcap) {
+                      int64_t window, double softcap, c10::optional<at::Tensor> sinks) {
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "decode_attention: bad q layout");
   TORCH_CHECK(out.is_contiguous() && key_cache.is_contiguous() &&
               value_cache.is_contiguous() && block_tables.is_contiguous() &&
               seq_lens.is_contiguous(), "decode_attention: contiguous tensors expected");
+  const float* sp = sink_logits(sinks, q.size(1));
 #if defined(__AVX512BF16__)
   if (q.scalar_type() == at::kBFloat16 &&
       decode_attention_bf16(out, q, key_cache, value_cache, block_tables, seq_lens, scale, window,
-                            softcap))
+                            softcap, sp))
     return;
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
     decode_attention_impl<scalar_t>(out, q, key_cache, value_cache, block_tables, seq_lens,
-                                    scale, window, softcap);
+                                    scale, window, softcap, sp);
   });
 }
 
@@ -343,11 +358,13 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Te
 // the chunk's length) become 0. softcap > 0: the scaled scores are soft-capped first.
 void prefill_softmax_bf16(at::Tensor scores, at::Tensor starts, at::Tensor query_lens,
                           int64_t num_kv_heads, int64_t max_q, double scale, int64_t window,
-                          double softcap) {
+                          double softcap, c10::optional<at::Tensor> sinks) {
   TORCH_CHECK(scores.scalar_type() == at::kBFloat16 && scores.is_contiguous() &&
               starts.is_contiguous() && query_lens.is_contiguous(),
               "prefill_softmax_bf16: contiguous bfloat16 scores expected");
   const int64_t batches = scores.size(0), rows = scores.size(1), max_len = scores.size(2);
+  const int64_t group = rows / max_q;
+  const float* sink_of = sink_logits(sinks, num_kv_heads * group);
   c10::BFloat16* sp = scores.data_ptr<c10::BFloat16>();
   const int64_t* st = starts.data_ptr<int64_t>();
   const int64_t* ql = query_lens.data_ptr<int64_t>();
@@ -386,6 +403,10 @@ void prefill_softmax_bf16(at::Tensor scores, at::Tensor starts, at::Tensor query
         soft_cap(buf.data(), hi - first, cap);
         row_max = cap * std::tanh(row_max / cap);  // tanh is increasing
       }
+      // this row's head: (its KV head) * group + (its place in the group)
+      const float sink = sink_of ? sink_of[item / rows % num_kv_heads * group +
+                                           item % rows / max_q] : kNoSink;
+      row_max = std::max(row_max, sink);
       const __m512 vm = _mm512_set1_ps(row_max);
       __m512 vsum = _mm512_setzero_ps();
       for (int64_t t = first; t < hi; t += 16) {
@@ -394,7 +415,8 @@ void prefill_softmax_bf16(at::Tensor scores, at::Tensor starts, at::Tensor query
         _mm512_storeu_ps(buf.data() + t - first, e);
         vsum = _mm512_add_ps(vsum, e);
       }
-      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+      const __m512 inv = _mm512_set1_ps(
+          1.f / (_mm512_reduce_add_ps(vsum) + std::exp(sink - row_max)));
       const __m256i zero = _mm256_setzero_si256();
       for (int64_t t = 0; t < max_len; t += 16) {
         const __mmask16 in_row = static_cast<__mmask16>(

@@ -13,11 +13,11 @@ namespace cpullm {
 // attention.cpp
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
                       at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                      int64_t window, double softcap);
+                      int64_t window, double softcap, c10::optional<at::Tensor> sinks);
 #if defined(__AVX512BF16__)
 void prefill_softmax_bf16(at::Tensor scores, at::Tensor starts, at::Tensor query_lens,
                           int64_t num_kv_heads, int64_t max_q, double scale, int64_t window,
-                          double softcap);
+                          double softcap, c10::optional<at::Tensor> sinks);
 #endif
 
 // pointwise.cpp

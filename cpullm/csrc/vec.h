@@ -82,11 +82,14 @@ inline __m512 exp16(__m512 x) {
 }
 
 // row[0:n] = softmax(row[0:n]) in place.
-inline void softmax(float* row, int64_t n) {
+// softmax of row[0:n] in place; a finite ``sink`` is one more logit of the denominator,
+// attached to no value (attention sinks).
+inline void softmax(float* row, int64_t n,
+                    float sink = -std::numeric_limits<float>::infinity()) {
   __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + i));
-  float mx = _mm512_reduce_max_ps(vmax);
+  float mx = std::max(_mm512_reduce_max_ps(vmax), sink);
   for (; i < n; ++i) mx = std::max(mx, row[i]);
   const __m512 vm = _mm512_set1_ps(mx);
   __m512 vsum = _mm512_setzero_ps();
@@ -95,7 +98,7 @@ inline void softmax(float* row, int64_t n) {
     _mm512_storeu_ps(row + i, e);
     vsum = _mm512_add_ps(vsum, e);
   }
-  float sum = _mm512_reduce_add_ps(vsum);
+  float sum = _mm512_reduce_add_ps(vsum) + std::exp(sink - mx);
   for (; i < n; ++i) { row[i] = std::exp(row[i] - mx); sum += row[i]; }
   const __m512 inv = _mm512_set1_ps(1.f / sum);
   for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_loadu_ps(row + i), inv));
@@ -137,9 +140,10 @@ inline void axpy(float* y, float alpha, const float* x, int64_t n) {
   for (int64_t d = 0; d < n; ++d) y[d] += alpha * x[d];
 }
 
-inline void softmax(float* row, int64_t n) {
-  const float mx = *std::max_element(row, row + n);
-  float sum = 0.f;
+inline void softmax(float* row, int64_t n,
+                    float sink = -std::numeric_limits<float>::infinity()) {
+  const float mx = std::max(*std::max_element(row, row + n), sink);
+  float sum = std::exp(sink - mx);
   for (int64_t i = 0; i < n; ++i) { row[i] = std::exp(row[i] - mx); sum += row[i]; }
   for (int64_t i = 0; i < n; ++i) row[i] *= 1.f / sum;
 }

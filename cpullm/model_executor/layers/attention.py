@@ -102,7 +102,7 @@ class PagedAttention(nn.Module):
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]. ``sinks``: [num_heads]
         float32 logits of an attention sink per head (gpt-oss): each is one more term of its
-        head's softmax denominator, attached to no value; the plain torch paths run them."""
+        head's softmax denominator, attached to no value."""
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         window = meta.sliding_window if self.window is None else self.window
         flat_shape = (-1, self.num_kv_heads, self.head_dim)
@@ -111,11 +111,11 @@ class PagedAttention(nn.Module):
 
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
-        if nd and self.ops is not None and sinks is None:
+        if nd and self.ops is not None:
             # Reads each sequence's blocks in place: no gather, no padding.
             self.ops.decode_attention(out[:nd], q[:nd], key_cache, value_cache,
                                       meta.decode_block_tables, meta.decode_seq_lens,
-                                      self.scale, window, self.softcap)
+                                      self.scale, window, self.softcap, sinks)
         elif nd:
             out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta, window, sinks)
         if nd < q.shape[0]:
@@ -129,11 +129,12 @@ class PagedAttention(nn.Module):
                 padded = q.new_zeros(num_prefills * max_q, self.num_heads, self.head_dim)
                 padded[meta.prefill_query_index] = q[nd:]
             max_len = meta.prefill_block_tables.shape[1] * key_cache.shape[1]
-            if (self.prefill_softmax is not None and q.dtype == torch.bfloat16 and sinks is None
+            if (self.prefill_softmax is not None and q.dtype == torch.bfloat16
                     and num_prefills * self.num_heads * max_q * max_len <= _MAX_SCORES):
                 # Whole fresh prompts of one length: their keys and values are this step's.
                 fresh = (k[nd:], v[nd:]) if dense and meta.prefill_fresh else None
-                result = self._attend_bf16(padded, key_cache, value_cache, meta, fresh, window)
+                result = self._attend_bf16(padded, key_cache, value_cache, meta, fresh, window,
+                                           sinks)
             else:
                 # [num_prefills, num_heads, max_q, head_dim]
                 query = padded.view(num_prefills, max_q, self.num_heads,
@@ -149,8 +150,8 @@ class PagedAttention(nn.Module):
 
     def _attend_bf16(self, padded: torch.Tensor, key_cache: torch.Tensor,
                      value_cache: torch.Tensor, meta: AttentionMetadata,
-                     fresh: tuple[torch.Tensor, torch.Tensor] | None, window: int
-                     ) -> torch.Tensor:
+                     fresh: tuple[torch.Tensor, torch.Tensor] | None, window: int,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
         """padded: [num_prefills * max_q, num_heads, head_dim] queries ->
         [num_prefills, max_q, num_heads, head_dim]. The query heads that share a KV head
         are stacked into one matrix, so each (request, KV head) is one matmul. ``fresh``:
@@ -174,7 +175,7 @@ class PagedAttention(nn.Module):
         query = padded.view(num_prefills, max_q, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
         scores = torch.bmm(query.reshape(batch, group * max_q, dim), keys_t)
         self.prefill_softmax(scores, meta.prefill_starts, meta.prefill_query_lens, kv_heads,
-                             max_q, self.scale, window, self.softcap)
+                             max_q, self.scale, window, self.softcap, sinks)
         out = torch.bmm(scores, values)  # [batch, group * max_q, dim]
         return out.view(num_prefills, kv_heads, group, max_q, dim).permute(0, 3, 1, 2, 4)
 
