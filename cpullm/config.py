@@ -59,7 +59,8 @@ class ModelConfig:
         # GGUF configs carry a model_type but no architectures list.
         model_type = self.hf_config.model_type
         return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}.get(
                     model_type, model_type)
 
     @property

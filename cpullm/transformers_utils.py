@@ -121,8 +121,14 @@ def _where(source: ModelSource) -> str:
             else f"{source.directory}")
 
 
-# GGUF architectures whose config cpullm builds from the metadata itself (the models it runs).
-_FAST_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# GGUF architectures whose config cpullm builds from the metadata itself (the models it
+# runs), and the model type each is in transformers
+_FAST_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                            "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+# metadata of the mixtures that transformers' tables leave out: without them a model whose
+# experts are not of the config class's default width would be built wrong
+_MOE_GGUF_KEYS = {"expert_feed_forward_length": "moe_intermediate_size",
+                  "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
 
 
 def gguf_config(gguf_path: str) -> Any:
@@ -142,12 +148,14 @@ def gguf_config(gguf_path: str) -> Any:
         return AutoConfig.from_pretrained(directory, gguf_file=name, local_files_only=True)
     # llama.cpp files Mistral under llama; transformers tells them apart by the name.
     model_type = ("mistral" if architecture == "llama" and metadata.get("general.name") ==
-                  "mistral" else architecture)
+                  "mistral" else _FAST_GGUF_ARCHITECTURES[architecture])
     config: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in tensor_names,
                               **GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, {})}
     for key, value in metadata.items():
         prefix, _, name = key.replace(architecture, model_type).partition(".")
         target = GGUF_CONFIG_MAPPING.get(prefix, {}).get(name)
+        if target is None and prefix == model_type:
+            target = _MOE_GGUF_KEYS.get(name)
         if target is None or target == -1:
             continue
         if isinstance(value, list) and len(value) == 1:

@@ -35,6 +35,16 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixtures of experts: the router, the experts (one 3-D tensor a projection, split per
+    # expert), Qwen2-MoE's shared expert and its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{}.up_proj",
+    "ffn_down_exps": "mlp.experts.{}.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _PERMUTED_ARCHITECTURES = {"llama", "mistral"}
@@ -47,7 +57,7 @@ def hf_name(gguf_name: str) -> str:
     if match is None or match.group(2) not in _LAYER_NAMES:
         raise ValueError(f"GGUF tensor {gguf_name} is not known to cpullm")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"  # (experts: "{}" left in)
 
 
 def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -69,18 +79,33 @@ def iterate_gguf(path: str, num_heads: int, num_kv_heads: int
             raise ValueError(f"GGUF tensor {gguf_name} has type {qtype.name}, which cpullm "
                              f"cannot run; supported: "
                              f"{', '.join(t.name for t in (*_FLOAT_TYPES, *KEPT_TYPES))}")
+        if len(shape) == 3:  # [experts, rows, k]: the rows of each expert in turn
+            if "{}" not in name:
+                raise ValueError(f"GGUF tensor {gguf_name} is 3-D but not an expert tensor")
+            rows = shape[1]
+            for expert in range(shape[0]):
+                yield _tensor(name.format(expert), qtype,
+                              array[expert * rows:(expert + 1) * rows], shape[1:])
+            continue
+        if name.endswith("shared_expert_gate.weight") and len(shape) == 1:
+            shape = (1, *shape)  # llama.cpp keeps the one-row gate as a vector
         if architecture in _PERMUTED_ARCHITECTURES:
             if name.endswith("q_proj.weight"):
                 array = _unpermute(array, num_heads)
             elif name.endswith("k_proj.weight"):
                 array = _unpermute(array, num_kv_heads)
-        if qtype in _FLOAT_TYPES:
-            array = _FLOAT_TYPES[qtype](array).reshape(shape)
-            # A writable array: torch refuses read-only memory (the file is memory-mapped).
-            array = array.astype(np.float32, copy=not array.flags.writeable)
-            yield name, torch.from_numpy(array)
-        else:
-            yield name, RawBlocks(qtype, array, shape)
+        yield _tensor(name, qtype, array, shape)
+
+
+def _tensor(name: str, qtype: GGMLQuantizationType, array: np.ndarray,
+            shape: tuple[int, ...]) -> tuple[str, torch.Tensor | RawBlocks]:
+    """A float type as a float32 tensor of ``shape``, a block type as its blocks."""
+    if qtype in _FLOAT_TYPES:
+        values = _FLOAT_TYPES[qtype](array).reshape(shape)
+        # A writable array: torch refuses read-only memory (the file is memory-mapped).
+        values = values.astype(np.float32, copy=not values.flags.writeable)
+        return name, torch.from_numpy(values)
+    return name, RawBlocks(qtype, array, tuple(shape))
 
 
 def _bf16_to_f32(raw: np.ndarray) -> np.ndarray:

@@ -1,0 +1,153 @@
+"""GGUF files of mixtures of experts (Qwen3-MoE, Qwen2-MoE), written as llama.cpp writes
+them (each projection's experts one 3-D tensor, the router as ffn_gate_inp, Qwen2-MoE's
+shared expert and its vector gate), here with Q8_0 experts: cpullm's greedy float32 tokens
+equal transformers' on the same weights (the folder the file was made from, its experts
+replaced by the values the blocks hold)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import TINY, hf_greedy
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file, save_file
+
+from cpullm import LLM, SamplingParams
+from cpullm.transformers_utils import resolve_model
+
+CONFIGS = {
+    # experts of a width other than the config class's default (768): the file must say it
+    "qwen3moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, norm_topk_prob=True)),
+    "qwen2moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=32,
+                                        shared_expert_intermediate_size=48)),
+}
+LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+               "mlp.shared_expert.up_proj": "ffn_up_shexp",
+               "mlp.shared_expert.down_proj": "ffn_down_shexp",
+               "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+
+
+def _metadata(writer: GGUFWriter, arch: str, config) -> None:
+    """The default model's tokenizer and chat template, and this model's sizes."""
+    reader = GGUFReader(resolve_model(None).gguf_path)
+    sizes = {"embedding_length": config.hidden_size,
+             "feed_forward_length": config.intermediate_size,
+             "attention.head_count": config.num_attention_heads,
+             "attention.head_count_kv": config.num_key_value_heads,
+             "attention.key_length": getattr(config, "head_dim", None)
+             or config.hidden_size // config.num_attention_heads,
+             "block_count": config.num_hidden_layers, "context_length": 1024,
+             "rope.freq_base": float(config.rope_parameters["rope_theta"]),
+             "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps)}
+    for field in reader.fields.values():
+        if field.name.startswith(("GGUF.", "llama.")) or field.name == "general.architecture":
+            continue
+        writer.add_key_value(field.name, field.contents(), field.types[0],
+                             sub_type=field.types[1] if field.types[0] == GGUFValueType.ARRAY
+                             else None)
+    for key, value in sizes.items():
+        kind = GGUFValueType.FLOAT32 if isinstance(value, float) else GGUFValueType.UINT32
+        writer.add_key_value(f"{arch}.{key}", value, kind)
+    writer.add_key_value(f"{arch}.expert_count", config.num_experts, GGUFValueType.UINT32)
+    writer.add_key_value(f"{arch}.expert_used_count", config.num_experts_per_tok,
+                         GGUFValueType.UINT32)
+    writer.add_key_value(f"{arch}.expert_feed_forward_length", config.moe_intermediate_size,
+                         GGUFValueType.UINT32)
+    if getattr(config, "shared_expert_intermediate_size", 0):
+        writer.add_key_value(f"{arch}.expert_shared_feed_forward_length",
+                             config.shared_expert_intermediate_size, GGUFValueType.UINT32)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def moe_gguf(request, tmp_path_factory, tokenizer_dir) -> tuple[Path, Path]:
+    """(the GGUF file, the folder with the weights it holds)."""
+    arch = request.param
+    cls, spec = CONFIGS[arch]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = getattr(transformers, cls)(**{**TINY, "vocab_size": len(tokenizer), **spec})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    folder = tmp_path_factory.mktemp(arch)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (weights_file,) = sorted(folder.glob("*.safetensors"))
+    tensors = load_file(weights_file)
+
+    path = folder.parent / f"{arch}.gguf"
+    writer = GGUFWriter(str(path), arch)
+    _metadata(writer, arch, config)
+    writer.add_tensor("token_embd.weight", tensors["model.embed_tokens.weight"].numpy())
+    writer.add_tensor("output_norm.weight", tensors["model.norm.weight"].numpy())
+    writer.add_tensor("output.weight", tensors["lm_head.weight"].numpy())
+    for layer in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer}."
+        for hf, gguf_name in LAYER_NAMES.items():
+            for kind in ("weight", "bias"):
+                tensor = tensors.get(f"{prefix}{hf}.{kind}")
+                if tensor is not None:
+                    array = tensor.numpy()
+                    if hf == "mlp.shared_expert_gate":
+                        array = array.reshape(-1)  # a vector in llama.cpp's files
+                    writer.add_tensor(f"blk.{layer}.{gguf_name}.{kind}", array)
+        for projection, gguf_name in (("gate_proj", "ffn_gate_exps"),
+                                      ("up_proj", "ffn_up_exps"),
+                                      ("down_proj", "ffn_down_exps")):
+            names = [f"{prefix}mlp.experts.{e}.{projection}.weight"
+                     for e in range(config.num_experts)]
+            stacked = np.stack([tensors[n].numpy() for n in names])  # [experts, rows, k]
+            blocks = quantize(stacked, GGMLQuantizationType.Q8_0)
+            writer.add_tensor(f"blk.{layer}.{gguf_name}.weight", blocks,
+                              raw_dtype=GGMLQuantizationType.Q8_0)
+            held = dequantize(blocks, GGMLQuantizationType.Q8_0)
+            for e, name in enumerate(names):
+                tensors[name] = torch.from_numpy(np.ascontiguousarray(held[e]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    save_file(tensors, weights_file, metadata={"format": "pt"})
+    return path, folder
+
+
+def test_moe_gguf_equals_transformers(moe_gguf):
+    path, folder = moe_gguf
+    llm = LLM(str(path), dtype="float32", block_size=32, max_model_len=256)
+    config = llm.llm_engine.config.model.hf_config
+    reference = json.loads((folder / "config.json").read_text())
+    for key in ("moe_intermediate_size", "num_experts", "num_experts_per_tok",
+                "shared_expert_intermediate_size", "norm_topk_prob", "head_dim"):
+        if key in reference:
+            assert getattr(config, key) == reference[key], key
+    prompts = [torch.randint(100, 2000, (n,), generator=torch.Generator().manual_seed(n))
+               .tolist() for n in (7, 45)]
+    got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16,
+                                               ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == hf_greedy(folder, prompts, 16)
+
+
+def test_moe_gguf_keeps_its_expert_blocks(moe_gguf):
+    """In bfloat16 (where the quantized kernels run) each expert keeps its Q8_0 blocks."""
+    from cpullm.model_executor.layers.quantization.kept import QuantizedWeight
+
+    path, _ = moe_gguf
+    llm = LLM(str(path), dtype="bfloat16", block_size=32, max_model_len=256)
+    model = llm.llm_engine.model_runner.model
+    expert = model.model.layers[0].mlp.experts[3]
+    if not QuantizedWeight.kernels_run(expert.down_proj.ops, torch.bfloat16):
+        pytest.skip("no quantized kernels on this CPU (AVX-512 VNNI)")
+    assert all(s.quantized is not None for s in expert.down_proj.segments)
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=4,
+                                                       ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
