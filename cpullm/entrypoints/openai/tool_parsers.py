@@ -325,6 +325,7 @@ class ToolCallStream:
         self.scanner = JsonCallScanner(self._TAGS)
         self.named = ToolCall(name, "")
         self.whole = False  # auto: the calls were sent whole, at the end
+        self.searched = 0  # the text before this holds no whole marker (auto)
 
     @property
     def called(self) -> bool:
@@ -380,7 +381,12 @@ class ToolCallStream:
         that may open with a marker has not shown whether it does."""
         assert self.parser is not None
         if not self.parser.opens_answer:
-            found = [i for i in (self.text.find(m) for m in self.parser.markers) if i >= 0]
+            # from where a marker may still begin: each piece is searched once, not the
+            # whole answer again (a long answer without calls)
+            start = max(0, self.searched - max(map(len, self.parser.markers)) + 1)
+            self.searched = len(self.text)
+            found = [i for i in (self.text.find(m, start) for m in self.parser.markers)
+                     if i >= 0]
             return min(found, default=-1)
         stripped = self.text.lstrip()
         if any(stripped.startswith(m) for m in self.parser.markers):
