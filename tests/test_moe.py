@@ -59,3 +59,28 @@ def test_weight_memory_counts_every_expert(tiny_model):
                         kv_cache_memory_bytes=1 << 24).create_engine_config()
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     assert config.model.weight_bytes() == 4 * sum(p.numel() for p in reference.parameters())
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+def test_one_kernel_call_per_projection_is_bit_identical(tokens):
+    """bfloat16 experts on the own GEMM run grouped (one call for all chosen experts'
+    gate-ups, one for their downs): the same bits as the per-expert calls."""
+    from cpullm.model_executor.layers.ops import load_ops
+
+    ops = load_ops()
+    if ops is None or ops.gemm_bf16_grouped is None:
+        pytest.skip("no bfloat16 GEMM kernel on this CPU (AVX-512 BF16)")
+    torch.manual_seed(tokens)
+    moe = SparseMoE(64, 32, num_experts=8, top_k=2, normalize=True, dtype=torch.bfloat16,
+                    ops=ops, quant_config=None)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+        for module in moe.modules():
+            if hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading(ops)
+        x = torch.randn(tokens, 64).to(torch.bfloat16)
+        grouped = moe(x)
+        assert moe.grouped is not None and len(moe.grouped[0]) == 8
+        moe.grouped = ([], [], 0)  # expert by expert
+        assert torch.equal(grouped, moe(x))

@@ -11,6 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul_bf16", &cpullm::silu_and_mul_bf16, "bfloat16 silu(gate) * up");
   m.def("gemm_bf16", &cpullm::gemm_bf16, "bfloat16 x @ w.T with w packed in 32-column panels, "
         "optionally silu(gate) * up of interleaved gate and up panels");
+  m.def("gemm_bf16_grouped", &cpullm::gemm_bf16_grouped,
+        "gemm_bf16 for several packed weights, each on its own run of rows, in one call");
   m.def("prefill_softmax_bf16", &cpullm::prefill_softmax_bf16,
         "causal softmax of prompt-chunk attention scores, in place");
 #endif

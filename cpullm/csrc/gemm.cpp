@@ -53,6 +53,57 @@ void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at
     }
   });
 }
+
+// Several packed weights of one shape, each with its own run of rows of x (the experts of
+// a mixture and the tokens routed to each): rows [offsets[g], offsets[g + 1]) of out are
+// those rows of x times weight g, as gemm_bf16 computes them (the same tiles, so the same
+// bits). Every (weight, panel) of the call is one item of a single parallel loop: a decode
+// step's few rows per expert keep every thread busy across experts, with one call from
+// Python per projection instead of one per expert.
+void gemm_bf16_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> panels,
+                       std::vector<int64_t> offsets, bool silu_mul) {
+  const int64_t groups = static_cast<int64_t>(panels.size());
+  TORCH_CHECK(groups > 0 && static_cast<int64_t>(offsets.size()) == groups + 1 &&
+              offsets[0] == 0 && offsets[groups] == x.size(0),
+              "gemm_bf16_grouped: offsets [0, ..., rows] expected, one more than weights");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
+              x.dim() == 2 && x.stride(1) == 1 && x.stride(0) % 2 == 0 && out.is_contiguous(),
+              "gemm_bf16_grouped: bfloat16 rows of x and a contiguous out expected");
+  const at::Tensor& first = panels[0];
+  for (const at::Tensor& w : panels)
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 4 &&
+                w.sizes() == first.sizes() && w.size(2) == 32 && w.size(3) == 2,
+                "gemm_bf16_grouped: packed panels [N/32, K/2, 32, 2] of one shape expected");
+  const int64_t k2 = first.size(1), n = first.size(0) * 32, num_panels = first.size(0);
+  const int64_t width = silu_mul ? n / 2 : n, panel_width = silu_mul ? 16 : 32;
+  TORCH_CHECK(x.size(1) == 2 * k2 && out.size(0) == x.size(0) && out.size(1) == width,
+              "gemm_bf16_grouped: shapes do not match");
+  using Rows = std::make_integer_sequence<int, kGemmRows>;
+  static const GemmTiles tables[2][2] = {
+      {gemm_tiles<false, false>(Rows{}), gemm_tiles<false, true>(Rows{})},
+      {gemm_tiles<true, false>(Rows{}), gemm_tiles<true, true>(Rows{})}};
+  std::vector<const c10::BFloat16*> weights(groups);
+  for (int64_t g = 0; g < groups; ++g) weights[g] = panels[g].data_ptr<c10::BFloat16>();
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  const int64_t ldx = x.stride(0), panel_size = k2 * 64;
+  at::parallel_for(0, groups * num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / num_panels, p = item % num_panels;
+      const c10::BFloat16* panel = weights[g] + p * panel_size;
+      // the panel this thread takes next, prefetched while this one is used
+      const bool more = item + 1 < end;
+      const char* next = more ? reinterpret_cast<const char*>(
+          weights[(item + 1) / num_panels] + (item + 1) % num_panels * panel_size) : nullptr;
+      for (int64_t r = offsets[g]; r < offsets[g + 1]; r += kGemmRows) {
+        const int64_t rows = std::min<int64_t>(kGemmRows, offsets[g + 1] - r);
+        const GemmTiles& table = tables[r == offsets[g] && more][silu_mul];
+        table[rows - 1](xp + r * ldx, ldx, panel, k2, nullptr,
+                        op + r * width + p * panel_width, width, next);
+      }
+    }
+  });
+}
 #endif
 
 }  // namespace cpullm

@@ -31,6 +31,8 @@ void silu_and_mul_bf16(at::Tensor out, at::Tensor x);
 // gemm.cpp
 void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias,
                bool silu_mul);
+void gemm_bf16_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> panels,
+                       std::vector<int64_t> offsets, bool silu_mul);
 #endif
 
 // quant_gemm.cpp: x @ W.T with W kept quantized (u, scales, mins or a zero point)

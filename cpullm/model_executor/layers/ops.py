@@ -81,6 +81,7 @@ class KernelTable:
     rms_norm_bf16: Kernel | None  # AVX-512 BF16
     silu_and_mul_bf16: Kernel | None
     gemm_bf16: Kernel | None
+    gemm_bf16_grouped: Kernel | None
     prefill_softmax_bf16: Kernel | None
     quant_gemm: Kernel | None  # AVX-512 VNNI
     quant_gemm_bf16: Kernel | None  # AVX-512 VNNI and BF16
