@@ -60,7 +60,8 @@ class ModelConfig:
         model_type = self.hf_config.model_type
         return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}.get(
+                "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                "gemma3_text": "Gemma3ForCausalLM"}.get(
                     model_type, model_type)
 
     @property

@@ -124,7 +124,8 @@ def _where(source: ModelSource) -> str:
 # GGUF architectures whose config cpullm builds from the metadata itself (the models it
 # runs), and the model type each is in transformers
 _FAST_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                            "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+                            "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe",
+                            "gemma3": "gemma3"}
 # metadata of the mixtures that transformers' tables leave out: without them a model whose
 # experts are not of the config class's default width would be built wrong
 _MOE_GGUF_KEYS = {"expert_feed_forward_length": "moe_intermediate_size",
@@ -148,7 +149,7 @@ def gguf_config(gguf_path: str) -> Any:
         return AutoConfig.from_pretrained(directory, gguf_file=name, local_files_only=True)
     # llama.cpp files Mistral under llama; transformers tells them apart by the name.
     model_type = ("mistral" if architecture == "llama" and metadata.get("general.name") ==
-                  "mistral" else _FAST_GGUF_ARCHITECTURES[architecture])
+                  "mistral" else _FAST_GGUF_ARCHITECTURES[architecture])  # (its tables' key)
     config: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in tensor_names,
                               **GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, {})}
     for key, value in metadata.items():
@@ -165,7 +166,30 @@ def gguf_config(gguf_path: str) -> Any:
         config[target] = value
     # the reader leaves a string array as its length: the vocabulary's size
     config.setdefault("vocab_size", metadata.get("tokenizer.ggml.tokens"))
+    if model_type == "gemma3":
+        config = _gemma3_gguf_config(config, metadata)
     return AutoConfig.for_model(**config, name_or_path=os.path.dirname(gguf_path))
+
+
+def _gemma3_gguf_config(config: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 text, as llama.cpp reads its files: the metadata's rope base and scaling are
+    the global layers'; what the files leave out llama.cpp fixes, and so it is fixed here
+    (the local layers' rope base 10000, a global layer every sixth, the query scale
+    1 / sqrt(head size), but 1 / sqrt(hidden / heads) for the 62-layer 27B)."""
+    config = {**config, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
+    theta = float(config.pop("rope_theta", 1_000_000.0))
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    if metadata.get("gemma3.rope.scaling.type") == "linear":
+        full = {"rope_type": "linear", "rope_theta": theta,
+                "factor": float(metadata["gemma3.rope.scaling.factor"])}
+    config["rope_parameters"] = {"full_attention": full,
+                                 "sliding_attention": {"rope_type": "default",
+                                                       "rope_theta": 10_000.0}}
+    config.setdefault("sliding_window_pattern", 6)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"]
+                                       if config["num_hidden_layers"] == 62 else head_dim)
+    return config
 
 
 def load_hf_config(source: ModelSource) -> Any:

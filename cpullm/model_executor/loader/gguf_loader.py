@@ -46,18 +46,25 @@ _LAYER_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Gemma 2 and 3 norm before and after each block: llama.cpp's ffn_norm is the norm before
+# the feed-forward block there, and the files store each norm's weight as 1 + w
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                      "ffn_norm": "pre_feedforward_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
+_GEMMA_ARCHITECTURES = {"gemma2", "gemma3"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _PERMUTED_ARCHITECTURES = {"llama", "mistral"}
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, architecture: str = "llama") -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA_LAYER_NAMES if architecture in _GEMMA_ARCHITECTURES else _LAYER_NAMES
     match = _LAYER_RE.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in names:
         raise ValueError(f"GGUF tensor {gguf_name} is not known to cpullm")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"  # (experts: "{}" left in)
+    return f"model.layers.{layer}.{names[part]}.{kind}"  # (experts: "{}" left in)
 
 
 def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -74,7 +81,7 @@ def iterate_gguf(path: str, num_heads: int, num_kv_heads: int
     tensors, block types as ``RawBlocks``. A type cpullm cannot run is refused by name."""
     architecture, tensors = _tensors(path)
     for gguf_name, qtype, array, shape in tensors:
-        name = hf_name(gguf_name)
+        name = hf_name(gguf_name, architecture)
         if qtype not in _FLOAT_TYPES and qtype not in KEPT_TYPES:
             raise ValueError(f"GGUF tensor {gguf_name} has type {qtype.name}, which cpullm "
                              f"cannot run; supported: "
@@ -94,7 +101,11 @@ def iterate_gguf(path: str, num_heads: int, num_kv_heads: int
                 array = _unpermute(array, num_heads)
             elif name.endswith("k_proj.weight"):
                 array = _unpermute(array, num_kv_heads)
-        yield _tensor(name, qtype, array, shape)
+        name, tensor = _tensor(name, qtype, array, shape)
+        if (architecture in _GEMMA_ARCHITECTURES and name.endswith("norm.weight")
+                and isinstance(tensor, torch.Tensor)):
+            tensor = tensor - 1  # stored as 1 + w; the model's norms add the 1 themselves
+        yield name, tensor
 
 
 def _tensor(name: str, qtype: GGMLQuantizationType, array: np.ndarray,

@@ -1,7 +1,9 @@
-"""GGUF files of mixtures of experts (Qwen3-MoE, Qwen2-MoE), written as llama.cpp writes
-them (each projection's experts one 3-D tensor, the router as ffn_gate_inp, Qwen2-MoE's
-shared expert and its vector gate), here with Q8_0 experts: cpullm's greedy float32 tokens
-equal transformers' on the same weights (the folder the file was made from, its experts
+"""GGUF files of the families beyond Llama, written as llama.cpp writes them: Qwen3-MoE and
+Qwen2-MoE (each projection's experts one 3-D tensor, here Q8_0; the router as
+ffn_gate_inp; Qwen2-MoE's shared expert and its vector gate) and Gemma 3 (norms before and
+after each block, stored as 1 + w; the rope base and scaling of its global layers in the
+metadata, the rest as llama.cpp fixes it). cpullm's greedy float32 tokens equal
+transformers' on the same weights (the folder the file was made from, its experts
 replaced by the values the blocks hold)."""
 
 from __future__ import annotations
@@ -28,7 +30,18 @@ CONFIGS = {
     "qwen2moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2,
                                         moe_intermediate_size=32,
                                         shared_expert_intermediate_size=48)),
+    # six layers: five sliding (window 24, shorter than the longer prompt), one global with
+    # linear rope scaling; the query scale of the head size, as llama.cpp takes it
+    "gemma3": ("Gemma3TextConfig", dict(
+        head_dim=16, num_hidden_layers=6, query_pre_attn_scalar=16, sliding_window=24,
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                         "full_attention": dict(rope_type="linear", factor=4.0,
+                                                rope_theta=1000000.0)})),
 }
+GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm", "mlp.gate_proj": "ffn_gate",
+               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -49,7 +62,8 @@ def _metadata(writer: GGUFWriter, arch: str, config) -> None:
              "attention.key_length": getattr(config, "head_dim", None)
              or config.hidden_size // config.num_attention_heads,
              "block_count": config.num_hidden_layers, "context_length": 1024,
-             "rope.freq_base": float(config.rope_parameters["rope_theta"]),
+             "rope.freq_base": float((config.rope_parameters.get("full_attention")
+                                      or config.rope_parameters)["rope_theta"]),
              "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps)}
     for field in reader.fields.values():
         if field.name.startswith(("GGUF.", "llama.")) or field.name == "general.architecture":
@@ -60,6 +74,12 @@ def _metadata(writer: GGUFWriter, arch: str, config) -> None:
     for key, value in sizes.items():
         kind = GGUFValueType.FLOAT32 if isinstance(value, float) else GGUFValueType.UINT32
         writer.add_key_value(f"{arch}.{key}", value, kind)
+    if arch == "gemma3":
+        writer.add_key_value("gemma3.attention.sliding_window", config.sliding_window,
+                             GGUFValueType.UINT32)
+        writer.add_key_value("gemma3.rope.scaling.type", "linear", GGUFValueType.STRING)
+        writer.add_key_value("gemma3.rope.scaling.factor", 4.0, GGUFValueType.FLOAT32)
+        return
     writer.add_key_value(f"{arch}.expert_count", config.num_experts, GGUFValueType.UINT32)
     writer.add_key_value(f"{arch}.expert_used_count", config.num_experts_per_tok,
                          GGUFValueType.UINT32)
@@ -71,7 +91,7 @@ def _metadata(writer: GGUFWriter, arch: str, config) -> None:
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def moe_gguf(request, tmp_path_factory, tokenizer_dir) -> tuple[Path, Path]:
+def family_gguf(request, tmp_path_factory, tokenizer_dir) -> tuple[Path, Path]:
     """(the GGUF file, the folder with the weights it holds)."""
     arch = request.param
     cls, spec = CONFIGS[arch]
@@ -79,6 +99,10 @@ def moe_gguf(request, tmp_path_factory, tokenizer_dir) -> tuple[Path, Path]:
     config = getattr(transformers, cls)(**{**TINY, "vocab_size": len(tokenizer), **spec})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # norms that are not all ones (Gemma's: not all zeros)
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0.0 if arch == "gemma3" else 1.0, 0.1)
     folder = tmp_path_factory.mktemp(arch)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -88,30 +112,39 @@ def moe_gguf(request, tmp_path_factory, tokenizer_dir) -> tuple[Path, Path]:
     path = folder.parent / f"{arch}.gguf"
     writer = GGUFWriter(str(path), arch)
     _metadata(writer, arch, config)
-    writer.add_tensor("token_embd.weight", tensors["model.embed_tokens.weight"].numpy())
-    writer.add_tensor("output_norm.weight", tensors["model.norm.weight"].numpy())
-    writer.add_tensor("output.weight", tensors["lm_head.weight"].numpy())
+    gemma = arch == "gemma3"
+
+    def stored(name: str) -> np.ndarray:  # llama.cpp writes Gemma's norms as 1 + w
+        array = tensors[name].numpy()
+        return array + 1 if gemma and name.endswith("norm.weight") else array
+
+    writer.add_tensor("token_embd.weight", stored("model.embed_tokens.weight"))
+    writer.add_tensor("output_norm.weight", stored("model.norm.weight"))
+    if "lm_head.weight" in tensors:
+        writer.add_tensor("output.weight", stored("lm_head.weight"))
+    names = {**LAYER_NAMES, **GEMMA_NAMES} if gemma else LAYER_NAMES
     for layer in range(config.num_hidden_layers):
         prefix = f"model.layers.{layer}."
-        for hf, gguf_name in LAYER_NAMES.items():
+        for hf, gguf_name in names.items():
             for kind in ("weight", "bias"):
-                tensor = tensors.get(f"{prefix}{hf}.{kind}")
-                if tensor is not None:
-                    array = tensor.numpy()
+                if f"{prefix}{hf}.{kind}" in tensors:
+                    array = stored(f"{prefix}{hf}.{kind}")
                     if hf == "mlp.shared_expert_gate":
                         array = array.reshape(-1)  # a vector in llama.cpp's files
                     writer.add_tensor(f"blk.{layer}.{gguf_name}.{kind}", array)
+        if gemma:
+            continue
         for projection, gguf_name in (("gate_proj", "ffn_gate_exps"),
                                       ("up_proj", "ffn_up_exps"),
                                       ("down_proj", "ffn_down_exps")):
-            names = [f"{prefix}mlp.experts.{e}.{projection}.weight"
-                     for e in range(config.num_experts)]
-            stacked = np.stack([tensors[n].numpy() for n in names])  # [experts, rows, k]
+            experts = [f"{prefix}mlp.experts.{e}.{projection}.weight"
+                       for e in range(config.num_experts)]
+            stacked = np.stack([tensors[n].numpy() for n in experts])  # [experts, rows, k]
             blocks = quantize(stacked, GGMLQuantizationType.Q8_0)
             writer.add_tensor(f"blk.{layer}.{gguf_name}.weight", blocks,
                               raw_dtype=GGMLQuantizationType.Q8_0)
             held = dequantize(blocks, GGMLQuantizationType.Q8_0)
-            for e, name in enumerate(names):
+            for e, name in enumerate(experts):
                 tensors[name] = torch.from_numpy(np.ascontiguousarray(held[e]))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -121,13 +154,17 @@ def moe_gguf(request, tmp_path_factory, tokenizer_dir) -> tuple[Path, Path]:
     return path, folder
 
 
-def test_moe_gguf_equals_transformers(moe_gguf):
-    path, folder = moe_gguf
-    llm = LLM(str(path), dtype="float32", block_size=32, max_model_len=256)
+def test_gguf_equals_transformers(family_gguf, tokenizer_dir):
+    path, folder = family_gguf
+    # (a Gemma file's tokenizer is a SentencePiece one; the test files carry SmolLM2's
+    # BPE vocabulary, which the folder's tokenizer reads)
+    llm = LLM(str(path), dtype="float32", block_size=32, max_model_len=256,
+              tokenizer=str(tokenizer_dir) if "gemma" in path.name else None)
     config = llm.llm_engine.config.model.hf_config
     reference = json.loads((folder / "config.json").read_text())
     for key in ("moe_intermediate_size", "num_experts", "num_experts_per_tok",
-                "shared_expert_intermediate_size", "norm_topk_prob", "head_dim"):
+                "shared_expert_intermediate_size", "norm_topk_prob", "head_dim",
+                "query_pre_attn_scalar", "sliding_window", "layer_types", "rope_parameters"):
         if key in reference:
             assert getattr(config, key) == reference[key], key
     prompts = [torch.randint(100, 2000, (n,), generator=torch.Generator().manual_seed(n))
@@ -137,11 +174,13 @@ def test_moe_gguf_equals_transformers(moe_gguf):
     assert [o.outputs[0].token_ids for o in got] == hf_greedy(folder, prompts, 16)
 
 
-def test_moe_gguf_keeps_its_expert_blocks(moe_gguf):
+def test_family_gguf_keeps_its_expert_blocks(family_gguf):
     """In bfloat16 (where the quantized kernels run) each expert keeps its Q8_0 blocks."""
     from cpullm.model_executor.layers.quantization.kept import QuantizedWeight
 
-    path, _ = moe_gguf
+    path, _ = family_gguf
+    if "gemma" in path.name:
+        pytest.skip("a dense model")
     llm = LLM(str(path), dtype="bfloat16", block_size=32, max_model_len=256)
     model = llm.llm_engine.model_runner.model
     expert = model.model.layers[0].mlp.experts[3]
