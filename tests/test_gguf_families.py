@@ -174,13 +174,12 @@ def test_gguf_equals_transformers(family_gguf, tokenizer_dir):
     assert [o.outputs[0].token_ids for o in got] == hf_greedy(folder, prompts, 16)
 
 
-def test_family_gguf_keeps_its_expert_blocks(family_gguf):
+@pytest.mark.parametrize("family_gguf", ["qwen3moe", "qwen2moe"], indirect=True)
+def test_moe_gguf_keeps_its_expert_blocks(family_gguf):
     """In bfloat16 (where the quantized kernels run) each expert keeps its Q8_0 blocks."""
     from cpullm.model_executor.layers.quantization.kept import QuantizedWeight
 
     path, _ = family_gguf
-    if "gemma" in path.name:
-        pytest.skip("a dense model")
     llm = LLM(str(path), dtype="bfloat16", block_size=32, max_model_len=256)
     model = llm.llm_engine.model_runner.model
     expert = model.model.layers[0].mlp.experts[3]
