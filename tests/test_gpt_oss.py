@@ -77,6 +77,10 @@ def test_mxfp4_checkpoint_equals_transformers_on_its_values(tmp_path, tiny_model
     got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16,
                                                ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == expected
+    # the memory estimate (KV cache sizing) counts the experts as loaded (the float32
+    # folder's values), not as packed
+    assert llm.llm_engine.config.model.weight_bytes() == 4 * sum(
+        t.numel() for t in tensors.values())
 
 
 def test_bfloat16_kernels_apply_the_sinks(tiny_model):

@@ -143,7 +143,8 @@ def _facts_from_files(name: str, source: Any) -> ModelFacts:
         weights = os.path.getsize(source.gguf_path)
     else:
         files = sorted(str(p) for p in Path(source.directory).glob("*.safetensors"))
-        weights = (sum(os.path.getsize(f) for f in files) if quantization
+        kept = quantization not in (None, "mxfp4")  # MXFP4 experts are dequantized at load
+        weights = (sum(os.path.getsize(f) for f in files) if kept
                    else safetensors_numel(files) * 2) if files else None
     task = "generate"
     try:

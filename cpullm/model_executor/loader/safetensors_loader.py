@@ -40,11 +40,18 @@ def iterate_pickle(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def safetensors_numel(files: list[str]) -> int:
-    """The number of values in the files' tensors, from their headers (nothing is read)."""
+    """The number of values in the files' tensors, from their headers (nothing is read).
+    MXFP4 tensors (gpt-oss's experts) count as the values they hold once dequantized: two
+    a byte of ``*_blocks``; their ``*_scales`` none."""
     total = 0
     for path in files:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 shape = f.get_slice(name).get_shape()
-                total += int(torch.tensor(shape).prod()) if shape else 1
+                numel = int(torch.tensor(shape).prod()) if shape else 1
+                if name.endswith("_blocks"):
+                    numel *= 2
+                elif name.endswith("_scales"):
+                    numel = 0
+                total += numel
     return total
