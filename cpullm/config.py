@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from cpullm.model_executor.layers.pooler import PoolerConfig
 from cpullm.platform.binding import BindingPlan
 from cpullm.platform.topology import CpuTopology
 from cpullm.transformers_utils import ModelSource
+from cpullm.utils import cdiv
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,17 @@ class ModelConfig:
         return getattr(self.hf_config, "sliding_window", None)
 
     @property
+    def layer_windows(self) -> list[int]:
+        """Each decoder layer's sliding window (0: the whole context), as the model's
+        attention layers take it."""
+        from cpullm.model_executor.models import get_model_class
+
+        windows = getattr(get_model_class(self.architecture), "layer_windows", None)
+        if windows is not None:
+            return windows(self.hf_config)
+        return [self.sliding_window or 0] * self.num_layers
+
+    @property
     def keeps_quantized(self) -> bool:
         """Whether quantized weights stay quantized: where the quantized kernels run
         (AVX-512 VNNI, bfloat16 compute; see layers/quantization/kept.py)."""
@@ -154,22 +167,91 @@ class ModelConfig:
             raise ValueError(f"pipeline_parallel_size={pp}: the model has only "
                              f"{self.num_layers} layers")
 
-    def kv_bytes_per_token(self, parallel: ParallelConfig | None = None) -> int:
-        """K and V of one token over all layers, in bytes; given ``parallel``, on the rank
-        that holds the most (the stage with the most layers)."""
+    def kv_bytes_per_token(self, parallel: ParallelConfig | None = None,
+                           layers: int | None = None) -> int:
+        """K and V of one token over all layers (or ``layers`` of them), in bytes; given
+        ``parallel``, on the rank that holds the most (the stage with the most layers)."""
         element = torch.tensor([], dtype=self.dtype).element_size()
-        layers, heads = self.num_layers, self.num_kv_heads
+        heads = self.num_kv_heads
+        if layers is None:
+            layers = self.num_layers if parallel is None else \
+                -(-self.num_layers // parallel.pipeline_parallel_size)
         if parallel is not None:
-            layers = -(-layers // parallel.pipeline_parallel_size)
             heads = self.kv_heads_per_rank(parallel.tensor_parallel_size)
         return 2 * layers * heads * self.head_dim * element
 
 
 @dataclass(frozen=True)
+class KVCacheGroups:
+    """How the decoder layers share the KV cache's pages, so that a sliding-window layer
+    can give back the blocks that have left its window while a full-attention layer keeps
+    them (as vLLM's hybrid KV cache manager does).
+
+    The layers are split into groups of ``group_size`` layers of one window each, the
+    largest size that splits every window's layers evenly (the gcd of their counts). A
+    page of the cache is one block of ``group_size`` layers; the pages come from one pool,
+    and each group holds its own block table per request. Layer slot s of every group lives
+    in cache tensor s, so a model whose layers all attend to the whole context is one group
+    of all layers: one block table and one tensor per layer, as without groups.
+
+        Gemma 3 1B: 22 sliding layers, 4 full -> size 2: 11 sliding groups, 2 full groups
+        block tables per request: full groups hold every block, sliding groups the NULL
+        page (one extra, never written) for the blocks before their window
+    """
+
+    windows: tuple[int, ...]  # per group: its layers' sliding window, 0 for none
+    layer_group: tuple[int, ...]  # per layer: its group
+    layer_slot: tuple[int, ...]  # per layer: its place in the group (its cache tensor)
+    group_size: int
+
+    @classmethod
+    def plan(cls, layer_windows: list[int]) -> KVCacheGroups:
+        by_window: dict[int, list[int]] = {}
+        for layer, window in enumerate(layer_windows):
+            by_window.setdefault(window, []).append(layer)
+        size = math.gcd(*map(len, by_window.values()))
+        windows, layer_group, layer_slot = [], [0] * len(layer_windows), [0] * len(layer_windows)
+        for window, layers in by_window.items():
+            for start in range(0, len(layers), size):
+                for slot, layer in enumerate(layers[start:start + size]):
+                    layer_group[layer], layer_slot[layer] = len(windows), slot
+                windows.append(window)
+        return cls(tuple(windows), tuple(layer_group), tuple(layer_slot), size)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    @property
+    def has_windows(self) -> bool:
+        """Whether some group drops blocks (the pool then has a NULL page past its end)."""
+        return any(self.windows)
+
+    def slots_per_rank(self, pipeline_parallel_size: int) -> int:
+        """Cache tensors on the pipeline stage that holds the most."""
+        from cpullm.distributed import RankLayout
+
+        layout = RankLayout(pp_size=pipeline_parallel_size)
+        return max(len({self.layer_slot[layer]
+                        for layer in layout.stage_layers(len(self.layer_slot), stage)})
+                   for stage in range(pipeline_parallel_size))
+
+    def blocks_per_request(self, num_tokens: int, block_size: int, chunk: int = 1) -> int:
+        """Pages a request of ``num_tokens`` tokens holds at most, over all groups, in a
+        step that computes ``chunk`` of them (1: while it decodes): a sliding group the
+        blocks that its window and the chunk span."""
+        blocks = cdiv(num_tokens, block_size)
+        return sum(blocks if not window else
+                   min(blocks, cdiv(window + chunk - 2, block_size) + 1)
+                   for window in self.windows)
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     block_size: int
-    num_blocks: int
+    num_blocks: int  # pages in the pool (a NULL page past them where groups drop blocks)
     enable_prefix_caching: bool = True
+    groups: KVCacheGroups | None = None  # None: one group of every layer
 
     def __post_init__(self) -> None:
         self.check_block_size(self.block_size)

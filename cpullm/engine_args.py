@@ -11,7 +11,14 @@ from dataclasses import dataclass
 import torch
 
 from cpullm import envs
-from cpullm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from cpullm.config import (
+    CacheConfig,
+    EngineConfig,
+    KVCacheGroups,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from cpullm.engine.kv_cache_manager import PREFIX_CACHING_HASH_ALGOS
 from cpullm.logger import init_logger
 from cpullm.model_executor.layers.pooler import PoolerConfig, sentence_transformers_pooling
@@ -29,7 +36,6 @@ from cpullm.transformers_utils import (
     load_hf_config,
     resolve_model,
 )
-from cpullm.utils import cdiv
 
 logger = init_logger(__name__)
 
@@ -64,6 +70,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
+    disable_hybrid_kv_cache_manager: bool = False
     # unset: the job's budgets (``scheduling_defaults``) times the ranks of a replica
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
@@ -120,6 +127,11 @@ class EngineArgs:
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                             default=d.enable_prefix_caching,
                             help="reuse the KV cache of shared prompt prefixes")
+        parser.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                            default=d.disable_hybrid_kv_cache_manager,
+                            help="keep every layer's KV blocks for the whole context, also "
+                            "a sliding-window layer's (by default those give back the blocks "
+                            "that leave their window)")
         parser.add_argument("--prefix-caching-hash-algo", default=d.prefix_caching_hash_algo,
                             help="digest that names a cached block: sha256 (a request's "
                                  "cache_salt keeps tenants apart)")
@@ -292,10 +304,13 @@ class EngineArgs:
                                  "input whole, in one step")
         scheduler = SchedulerConfig(self._budget("max_num_seqs", sizes), tokens, max_model_len,
                                     whole_inputs=encoder)
-        num_blocks = 0 if encoder else self._num_kv_blocks(model_config, parallel,
-                                                           scheduler.max_num_seqs)
+        groups = None if encoder else KVCacheGroups.plan(
+            [0] * model_config.num_layers if self.disable_hybrid_kv_cache_manager
+            else model_config.layer_windows)
+        num_blocks = 0 if groups is None else self._num_kv_blocks(model_config, parallel,
+                                                                  scheduler, groups)
         cache = CacheConfig(self.block_size, num_blocks,
-                            self.enable_prefix_caching and not encoder)
+                            self.enable_prefix_caching and not encoder, groups)
         return EngineConfig(model_config, cache, scheduler, parallel)
 
     def _asks_pooling(self) -> bool:
@@ -373,15 +388,27 @@ class EngineArgs:
         return value
 
     def _num_kv_blocks(self, model_config: ModelConfig, parallel: ParallelConfig,
-                       max_num_seqs: int) -> int:
+                       scheduler: SchedulerConfig, groups: KVCacheGroups) -> int:
         CacheConfig.check_block_size(self.block_size)  # before the sizes below use it
         if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
             raise ValueError(f"prefix_caching_hash_algo: {self.prefix_caching_hash_algo!r} is "
                              f"not supported; supported: {', '.join(PREFIX_CACHING_HASH_ALGOS)}")
         # Sizes per rank: each holds its share of the weights and a KV cache of ``budget``
         # for its KV heads of its layers (VLLM_CPU_KVCACHE_SPACE is per rank, as in vLLM).
-        block_bytes = model_config.kv_bytes_per_token(parallel) * self.block_size
-        blocks_per_seq = cdiv(model_config.max_model_len, self.block_size)
+        # A block is a page: one block of a group's layers (every layer with one group).
+        block_bytes = model_config.kv_bytes_per_token(
+            parallel, groups.slots_per_rank(parallel.pipeline_parallel_size)) * self.block_size
+        max_num_seqs, max_len = scheduler.max_num_seqs, model_config.max_model_len
+        # what one request of max_model_len holds while it decodes, and at most (its
+        # prompt's chunks of max_num_batched_tokens tokens)
+        blocks_per_seq = groups.blocks_per_request(max_len, self.block_size)
+        blocks_at_most = groups.blocks_per_request(max_len, self.block_size,
+                                                   scheduler.max_num_batched_tokens)
+        if groups.has_windows:
+            logger.info("KV cache groups of %d layers: %s", groups.group_size, ", ".join(
+                f"{groups.windows.count(w)} with " + (f"a {w}-token window" if w
+                                                      else "the whole context")
+                for w in dict.fromkeys(groups.windows)))
         weights = model_config.weight_bytes() // parallel.world_size
         replicas = parallel.data_parallel_size * parallel.ranks_per_node  # ranks on this host
         available = _available_memory(parallel)
@@ -397,7 +424,7 @@ class EngineArgs:
                 (_DEFAULT_KV_CACHE_SPACE, "vLLM CPU's 4 GiB"),
                 (max_num_seqs * blocks_per_seq * block_bytes,
                  f"what max_num_seqs={max_num_seqs} requests of max_model_len="
-                 f"{model_config.max_model_len} tokens can fill"),
+                 f"{max_len} tokens can fill"),
                 ((max(0, available // replicas - weights) // 2,
                   "half the memory left after the weights on the NUMA node(s) in use"
                   + (f", per rank of {replicas}" if replicas > 1 else ""))))
@@ -410,18 +437,19 @@ class EngineArgs:
                 f"{origin}){per} need {replicas * (weights + budget) / GiB:.2f} GiB, but the "
                 f"NUMA node(s) in use have {available / GiB:.2f} GiB available; lower the KV "
                 "cache size")
+        # (with sliding groups, one NULL page past these takes a dropped block's place)
         num_blocks = budget // block_bytes
-        if num_blocks < blocks_per_seq:
+        if num_blocks < blocks_at_most:
             raise ValueError(
                 f"KV cache of {budget / GiB:.3f} GiB ({origin}) holds {num_blocks} blocks of "
                 f"{self.block_size} tokens, but one request at max_model_len="
-                f"{model_config.max_model_len} needs {blocks_per_seq} blocks "
-                f"({blocks_per_seq * block_bytes / GiB:.3f} GiB); raise the KV cache size "
+                f"{max_len} needs {blocks_at_most} blocks "
+                f"({blocks_at_most * block_bytes / GiB:.3f} GiB); raise the KV cache size "
                 "or lower --max-model-len")
         logger.info("KV cache: %.2f GiB (%s), %d blocks of %d tokens, max concurrency %.1fx "
                     "at %d tokens per request", num_blocks * block_bytes / GiB, origin,
                     num_blocks, self.block_size, num_blocks / blocks_per_seq,
-                    model_config.max_model_len)
+                    max_len)
         return num_blocks
 
 

@@ -217,7 +217,7 @@ def test_bf16_prompt_attention_matches_sdpa(window, shapes):
         count = -(-(done + new) // block)
         items.append(ScheduledRequest(
             request_id=str(len(items)), token_ids=[1] * new, num_computed_tokens=done,
-            block_table=tables[used:used + count], sample=True,
+            block_tables=[tables[used:used + count]], sample=True,
             sampling_params=SamplingParams(), prompt_token_ids=[], output_token_ids=[]))
         used += count
     runner = SimpleNamespace(block_size=block, sliding_window=window or None)

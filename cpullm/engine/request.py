@@ -31,11 +31,11 @@ class RequestStatus(enum.IntEnum):
 
 
 class Request:
-    """Prompt and output token ids, KV progress and block table of one sequence."""
+    """Prompt and output token ids, KV progress and block tables of one sequence."""
 
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids",
                  "max_model_len", "arrival_time", "output_token_ids", "all_token_ids",
-                 "num_computed_tokens", "block_table", "block_hashes", "status", "stop_reason",
+                 "num_computed_tokens", "block_tables", "block_hashes", "status", "stop_reason",
                  "num_cached_tokens", "scheduled_time", "first_token_time", "last_token_time",
                  "cache_salt")
 
@@ -57,7 +57,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         # KV of all_token_ids[:num_computed_tokens] is in the cache.
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
+        # Per KV cache group (config.KVCacheGroups): the request's blocks, position p in
+        # block p // block_size of each.
+        self.block_tables: list[list[int]] = []
         # Chained digests of the full blocks of all_token_ids, for prefix caching; the first
         # is also of the salt, so that requests with different salts never share blocks.
         self.cache_salt = cache_salt
@@ -65,6 +67,11 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first group's blocks (every layer's, with one group)."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_tokens(self) -> int:

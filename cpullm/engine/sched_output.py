@@ -21,7 +21,7 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the tokens to compute: all_token_ids[num_computed_tokens:][:n]
     num_computed_tokens: int  # position of token_ids[0]
-    block_table: list[int]
+    block_tables: list[list[int]]  # per KV cache group
     sample: bool  # this step reaches the request's last token, so it samples the next one
     sampling_params: SamplingParams | PoolingParams  # PoolingParams: a pooling request
     prompt_token_ids: list[int]

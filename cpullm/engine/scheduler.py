@@ -32,8 +32,10 @@ from cpullm.pooling_params import PoolingParams
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         self.config = scheduler_config
+        groups = cache_config.groups
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching)
+                                               cache_config.enable_prefix_caching,
+                                               groups.windows if groups else (0,))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -85,11 +87,11 @@ class Scheduler:
                 if num_new > budget:
                     break
             else:  # (a pooling request pools every token's state: it computes them all)
-                cached_blocks = [] if isinstance(request.sampling_params, PoolingParams) \
+                cached = [] if isinstance(request.sampling_params, PoolingParams) \
                     else self.kv_cache_manager.find_cached_prefix(request)
-                num_cached = len(cached_blocks) * self.kv_cache_manager.block_size
+                num_cached = len(cached[0]) * self.kv_cache_manager.block_size if cached else 0
                 num_new = min(request.num_tokens - num_cached, budget)
-                if not self.kv_cache_manager.allocate_slots(request, num_new, cached_blocks):
+                if not self.kv_cache_manager.allocate_slots(request, num_new, cached):
                     break
             self.waiting.popleft()
             request.num_computed_tokens = num_cached  # the found prefix needs no compute
@@ -122,7 +124,7 @@ class Scheduler:
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:start + num_new],
             num_computed_tokens=start,
-            block_table=request.block_table,
+            block_tables=request.block_tables,
             sample=start + num_new == request.num_tokens,
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,

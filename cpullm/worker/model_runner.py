@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from cpullm import distributed
-from cpullm.config import EngineConfig
+from cpullm.config import EngineConfig, KVCacheGroups
 from cpullm.engine.sched_output import (
     LogprobsLists,
     ModelRunnerOutput,
@@ -26,7 +26,7 @@ from cpullm.engine.sched_output import (
     SchedulerOutput,
 )
 from cpullm.logger import init_logger
-from cpullm.model_executor.layers.attention import AttentionMetadata
+from cpullm.model_executor.layers.attention import AttentionMetadata, PagedAttention
 from cpullm.model_executor.layers.ops import load_ops
 from cpullm.model_executor.layers.pooler import finish_embeddings
 from cpullm.model_executor.loader import get_model
@@ -141,21 +141,26 @@ class ModelRunner(RunnerBase):
         model_config = config.model
         self.block_size = config.cache.block_size
         self.sliding_window = model_config.sliding_window
-        shape = (2, config.cache.num_blocks, self.block_size,
-                 model_config.kv_heads_per_rank(self.layout.tp_size),
-                 model_config.head_dim)  # per layer
-        self.kv_caches = [_kv_cache_tensor(shape, model_config.dtype)  # this stage's layers
-                          for _ in self.layout.stage_layers(model_config.num_layers)]
+        groups = config.cache.groups or KVCacheGroups.plan([0] * model_config.num_layers)
+        # one tensor per layer slot of the groups (config.KVCacheGroups), each with the NULL
+        # page past the pool's where sliding groups drop blocks
+        shape = (2, config.cache.num_blocks + groups.has_windows, self.block_size,
+                 model_config.kv_heads_per_rank(self.layout.tp_size), model_config.head_dim)
+        stage = self.layout.stage_layers(model_config.num_layers)
+        slots = {slot: _kv_cache_tensor(shape, model_config.dtype)
+                 for slot in sorted({groups.layer_slot[layer] for layer in stage})}
+        self.kv_caches = [slots[groups.layer_slot[layer]] for layer in stage]  # per layer
         # Where the host backs a VM's memory page by page, reserving takes seconds.
-        reserving = threading.Thread(target=_reserve, args=(self.kv_caches,), name="kv-reserve",
-                                     daemon=True)
+        reserving = threading.Thread(target=_reserve, args=(list(slots.values()),),
+                                     name="kv-reserve", daemon=True)
         start = time.perf_counter()
         reserving.start()
         ops = None if model_config.enforce_eager else load_ops()
         self.model = get_model(model_config, ops)
+        self._assign_kv_groups(groups, stage)
         reserving.join()
         logger.info("KV cache of %.2f GiB reserved (%.1f s with the model loading)",
-                    sum(c.nbytes for c in self.kv_caches) / (1 << 30), time.perf_counter() - start)
+                    sum(c.nbytes for c in slots.values()) / (1 << 30), time.perf_counter() - start)
         self.sampler = Sampler(model_config.vocab_size, eos_token_ids, ops)
         self.generators: dict[str, torch.Generator] = {}
         self.guided = GuidedDecoding(lambda: load_tokenizer(
@@ -165,6 +170,22 @@ class ModelRunner(RunnerBase):
             self.guided.warm()  # (on the rank that samples)
         # a decoder's embedding requests: id -> (sum, count, first) of their hidden states
         self._pooling: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    def _assign_kv_groups(self, groups: KVCacheGroups, stage: range) -> None:
+        """Tell each attention layer of this stage which group's block tables it reads,
+        and check that a group that drops blocks has the window of each of its layers."""
+        attentions = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        if len(attentions) != len(stage):
+            raise RuntimeError(f"{len(attentions)} attention layers for {len(stage)} decoder "
+                               "layers")
+        for layer, attention in zip(stage, attentions, strict=True):
+            window = attention.window if attention.window is not None else \
+                (self.sliding_window or 0)
+            attention.kv_group = groups.layer_group[layer]
+            if groups.windows[attention.kv_group] not in (0, window):
+                raise RuntimeError(f"layer {layer} attends to a window of {window} tokens, "
+                                   f"but its KV cache group keeps "
+                                   f"{groups.windows[attention.kv_group]}")
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -305,12 +326,16 @@ class ModelRunner(RunnerBase):
         request_of_token = np.repeat(np.arange(len(items)), query_lens)
         positions = (np.arange(num_tokens) - np.repeat(query_ends - query_lens, query_lens)
                      + np.repeat(starts, query_lens))
-        max_blocks = max(len(r.block_table) for r in items)
-        block_tables = np.zeros((len(items), max_blocks), dtype=np.int64)
+        # [groups, requests, blocks]; every group's table of a request is as long
+        num_groups = len(items[0].block_tables)
+        max_blocks = max(len(r.block_tables[0]) for r in items)
+        block_tables = np.zeros((num_groups, len(items), max_blocks), dtype=np.int64)
         for i, r in enumerate(items):
-            block_tables[i, :len(r.block_table)] = r.block_table
+            for group, table in enumerate(r.block_tables):
+                block_tables[group, i, :len(table)] = table
         #   slot = block_table[position // block_size] * block_size + position % block_size
-        slot_mapping = block_tables[request_of_token, positions // bs] * bs + positions % bs
+        slot_mapping = (block_tables[:, request_of_token, positions // bs] * bs
+                        + positions % bs)  # [groups, tokens]
 
         nd = int((query_lens == 1).sum())
         decode_len = int(seq_lens[:nd].max()) if nd else 0
@@ -322,13 +347,13 @@ class ModelRunner(RunnerBase):
                                + np.arange(num_tokens - nd)
                                - np.repeat(np.cumsum(p_lens) - p_lens, p_lens))
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping),
+            slot_mapping=list(torch.from_numpy(slot_mapping)),
             num_decode_tokens=nd,
-            decode_block_tables=torch.from_numpy(
-                np.ascontiguousarray(block_tables[:nd, :decode_blocks])),
+            decode_block_tables=[torch.from_numpy(np.ascontiguousarray(tables[:nd, :decode_blocks]))
+                                 for tables in block_tables],
             decode_seq_lens=torch.from_numpy(seq_lens[:nd]),
             sliding_window=self.sliding_window or 0,
-            prefill_block_tables=torch.from_numpy(block_tables[nd:, :prefill_blocks]),
+            prefill_block_tables=list(torch.from_numpy(block_tables[:, nd:, :prefill_blocks])),
             prefill_query_index=torch.from_numpy(prefill_query_index),
             prefill_max_query_len=max_q,
             prefill_starts=torch.from_numpy(p_starts),

@@ -37,12 +37,14 @@ _MAX_SCORES = 1 << 26
 class AttentionMetadata:
     """Per-step layout, built once by the model runner and shared by all layers."""
 
-    slot_mapping: torch.Tensor  # [num_tokens] cache slot of every new token
+    # Per KV cache group (config.KVCacheGroups; a layer reads its group's), tables of one
+    # width in every group:
+    slot_mapping: list[torch.Tensor]  # [num_tokens] cache slot of every new token
+    decode_block_tables: list[torch.Tensor]  # [num_decodes, max_blocks]
+    prefill_block_tables: list[torch.Tensor]  # [num_prefills, max_blocks]
     num_decode_tokens: int  # the first num_decode_tokens tokens are single-query requests
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
     decode_seq_lens: torch.Tensor  # [num_decodes] context length including the new token
     sliding_window: int  # 0: attend to the whole context
-    prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks]
     prefill_query_index: torch.Tensor  # [num_prefill_tokens] index into [num_prefills * max_q]
     prefill_max_query_len: int
     prefill_starts: torch.Tensor  # [num_prefills] position of each chunk's first token
@@ -58,7 +60,7 @@ class AttentionMetadata:
         """[num_decodes, 1, 1, max_blocks * block_size]: the key positions each decode
         token sees (``window``: the last so many, or all with 0)."""
         if window not in self._decode_masks:
-            key_pos = torch.arange(self.decode_block_tables.shape[1] * self.block_size)[None]
+            key_pos = torch.arange(self.decode_block_tables[0].shape[1] * self.block_size)[None]
             lens = self.decode_seq_lens[:, None]
             mask = key_pos < lens
             if window:
@@ -69,7 +71,7 @@ class AttentionMetadata:
     def prefill_mask(self, window: int) -> torch.Tensor:
         """[num_prefills, 1, max_q, max_blocks * block_size]: causal, within the window."""
         if window not in self._prefill_masks:
-            key_pos = torch.arange(self.prefill_block_tables.shape[1] * self.block_size)
+            key_pos = torch.arange(self.prefill_block_tables[0].shape[1] * self.block_size)
             query_pos = (self.prefill_starts[:, None]
                          + torch.arange(self.prefill_max_query_len)[None, :])[:, :, None]
             mask = key_pos <= query_pos
@@ -95,6 +97,7 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        self.kv_group = 0  # whose block tables this layer reads (the model runner sets it)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -105,21 +108,23 @@ class PagedAttention(nn.Module):
         head's softmax denominator, attached to no value."""
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         window = meta.sliding_window if self.window is None else self.window
+        group = self.kv_group
+        prefill_tables = meta.prefill_block_tables[group]
         flat_shape = (-1, self.num_kv_heads, self.head_dim)
-        key_cache.view(flat_shape).index_copy_(0, meta.slot_mapping, k)
-        value_cache.view(flat_shape).index_copy_(0, meta.slot_mapping, v)
+        key_cache.view(flat_shape).index_copy_(0, meta.slot_mapping[group], k)
+        value_cache.view(flat_shape).index_copy_(0, meta.slot_mapping[group], v)
 
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd and self.ops is not None:
             # Reads each sequence's blocks in place: no gather, no padding.
             self.ops.decode_attention(out[:nd], q[:nd], key_cache, value_cache,
-                                      meta.decode_block_tables, meta.decode_seq_lens,
+                                      meta.decode_block_tables[group], meta.decode_seq_lens,
                                       self.scale, window, self.softcap, sinks)
         elif nd:
             out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta, window, sinks)
         if nd < q.shape[0]:
-            num_prefills = meta.prefill_block_tables.shape[0]
+            num_prefills = prefill_tables.shape[0]
             max_q = meta.prefill_max_query_len
             # Chunks shorter than the longest are padded to it; equal chunks need no copy.
             dense = q.shape[0] - nd == num_prefills * max_q
@@ -128,7 +133,7 @@ class PagedAttention(nn.Module):
             else:
                 padded = q.new_zeros(num_prefills * max_q, self.num_heads, self.head_dim)
                 padded[meta.prefill_query_index] = q[nd:]
-            max_len = meta.prefill_block_tables.shape[1] * key_cache.shape[1]
+            max_len = prefill_tables.shape[1] * key_cache.shape[1]
             if (self.prefill_softmax is not None and q.dtype == torch.bfloat16
                     and num_prefills * self.num_heads * max_q * max_len <= _MAX_SCORES):
                 # Whole fresh prompts of one length: their keys and values are this step's.
@@ -139,7 +144,7 @@ class PagedAttention(nn.Module):
                 # [num_prefills, num_heads, max_q, head_dim]
                 query = padded.view(num_prefills, max_q, self.num_heads,
                                     self.head_dim).transpose(1, 2)
-                result = self._attend(query, key_cache, value_cache, meta.prefill_block_tables,
+                result = self._attend(query, key_cache, value_cache, prefill_tables,
                                       meta.prefill_mask(window), sinks).transpose(1, 2)
             if dense:  # one copy, straight from the permuted view
                 out[nd:].view(result.shape).copy_(result)
@@ -157,7 +162,8 @@ class PagedAttention(nn.Module):
         are stacked into one matrix, so each (request, KV head) is one matmul. ``fresh``:
         this step's keys and values, [num_prefills * max_q, kv_heads, head_dim], when they
         are all there is to attend to (no gather from the cache then)."""
-        num_prefills, max_q = meta.prefill_block_tables.shape[0], meta.prefill_max_query_len
+        tables = meta.prefill_block_tables[self.kv_group]
+        num_prefills, max_q = tables.shape[0], meta.prefill_max_query_len
         kv_heads, dim = self.num_kv_heads, self.head_dim
         group = self.num_heads // kv_heads
         batch = num_prefills * kv_heads
@@ -166,9 +172,8 @@ class PagedAttention(nn.Module):
             keys = fresh[0].view(num_prefills, max_q, kv_heads, dim)
             values = fresh[1].view(num_prefills, max_q, kv_heads, dim)
         else:
-            keys = key_cache[meta.prefill_block_tables].view(num_prefills, -1, kv_heads, dim)
-            values = value_cache[meta.prefill_block_tables].view(num_prefills, -1, kv_heads,
-                                                                 dim)
+            keys = key_cache[tables].view(num_prefills, -1, kv_heads, dim)
+            values = value_cache[tables].view(num_prefills, -1, kv_heads, dim)
         keys_t = keys.permute(0, 2, 3, 1).reshape(batch, dim, -1)
         values = values.transpose(1, 2).reshape(batch, -1, dim)
         # [num_prefills, max_q, kv_heads, group, dim] -> [batch, group * max_q, dim]
@@ -187,10 +192,9 @@ class PagedAttention(nn.Module):
         num_seqs = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         # [num_seqs, max_len, num_kv_heads, head_dim]
-        keys = key_cache[meta.decode_block_tables].view(num_seqs, -1, self.num_kv_heads,
-                                                        self.head_dim)
-        values = value_cache[meta.decode_block_tables].view(num_seqs, -1, self.num_kv_heads,
-                                                            self.head_dim)
+        tables = meta.decode_block_tables[self.kv_group]
+        keys = key_cache[tables].view(num_seqs, -1, self.num_kv_heads, self.head_dim)
+        values = value_cache[tables].view(num_seqs, -1, self.num_kv_heads, self.head_dim)
         query = q.view(num_seqs, self.num_kv_heads, group, self.head_dim)
         scores = torch.einsum("skgd,stkd->skgt", query, keys)  # [seqs, kv_heads, group, len]
         scores = self._soft_cap(scores.float() * self.scale).masked_fill_(

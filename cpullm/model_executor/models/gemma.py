@@ -39,6 +39,7 @@ from cpullm.model_executor.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
     add_and_norm,
+    windows_by_layer_type,
 )
 
 
@@ -115,20 +116,18 @@ class GemmaModel(StagedDecoder):
                     or config.hidden_size // config.num_attention_heads)
         kinds = list(getattr(config, "layer_types", None)
                      or ["full_attention"] * config.num_hidden_layers)
-        window = getattr(config, "sliding_window", None) or 0
         # Gemma 2 and 3: sliding layers have their window, full ones none; Gemma 3: rope
         # parameters per layer kind
         rotary = {kind: RotaryEmbedding(config, head_dim, max_position, ops,
                                         layer_type=kind if version == 3 else None)
                   for kind in dict.fromkeys(kinds)}
-        windows = {kind: (window if kind == "sliding_attention" else 0) if version >= 2
-                   else None for kind in kinds}
+        windows = windows_by_layer_type(config) if version >= 2 else [None] * len(kinds)
         # the LM head is tied to the table: the last pipeline stage holds it too
         self.embed_tokens = first_stage_only(
             lambda: VocabEmbedding(config.vocab_size, config.hidden_size, dtype, quant_config),
             also_last=True)
         self.layers = build_layers(len(kinds), lambda i: GemmaDecoderLayer(
-            config, rotary[kinds[i]], windows[kinds[i]], version, dtype, ops, quant_config))
+            config, rotary[kinds[i]], windows[i], version, dtype, ops, quant_config))
         self.norm = last_stage_only(
             lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops))
 
@@ -141,6 +140,7 @@ class GemmaModel(StagedDecoder):
 class GemmaForCausalLM(nn.Module):
     stacked_params = LlamaForCausalLM.stacked_params
     version = 1
+    layer_windows = None  # Gemma: every layer attends to the whole context
 
     def __init__(self, config: Any, max_position: int, dtype: torch.dtype,
                  ops: KernelTable | None = None,
@@ -175,7 +175,9 @@ class GemmaForCausalLM(nn.Module):
 
 class Gemma2ForCausalLM(GemmaForCausalLM):
     version = 2
+    layer_windows = staticmethod(windows_by_layer_type)
 
 
 class Gemma3ForCausalLM(GemmaForCausalLM):
     version = 3
+    layer_windows = staticmethod(windows_by_layer_type)

@@ -31,7 +31,11 @@ from cpullm.model_executor.layers.linear import MergedColumnLinear, RowParallelL
 from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import QuantizationConfig
 from cpullm.model_executor.layers.rotary import RotaryEmbedding
-from cpullm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from cpullm.model_executor.models.llama import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    windows_by_layer_type,
+)
 from cpullm.model_executor.models.qwen_moe import SparseMoE
 
 # the e2m1 values of a 4-bit code (the sign is its top bit)
@@ -72,9 +76,7 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
     def __init__(self, config: Any, rotary: RotaryEmbedding, flags: dict[str, bool],
                  dtype: torch.dtype, ops: KernelTable | None,
                  quant_config: QuantizationConfig | None, index: int = 0) -> None:
-        kinds = getattr(config, "layer_types", None) or ["full_attention"] * \
-            config.num_hidden_layers
-        window = (config.sliding_window or 0) if kinds[index] == "sliding_attention" else 0
+        window = windows_by_layer_type(config)[index]
         super().__init__(config, rotary, {**flags, "window": window, "sinks": True}, dtype,
                          ops, quant_config, index)
 
@@ -92,6 +94,7 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
 
 class GptOssForCausalLM(LlamaForCausalLM):
     decoder_layer = GptOssDecoderLayer
+    layer_windows = staticmethod(windows_by_layer_type)
 
     @staticmethod
     def layer_flags(config: Any) -> dict[str, bool]:

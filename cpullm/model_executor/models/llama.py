@@ -11,7 +11,7 @@ merged (see ``stacked_params``; Phi-3's checkpoints store them merged already).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -172,8 +172,20 @@ class LlamaModel(StagedDecoder):
         return hidden if self.embedding_multiplier == 1.0 else hidden * self.embedding_multiplier
 
 
+def windows_by_layer_type(config: Any) -> list[int]:
+    """Per layer: the sliding window for a ``sliding_attention`` layer of ``layer_types``
+    (Gemma 2/3, gpt-oss), 0 for the others."""
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * \
+        config.num_hidden_layers
+    window = getattr(config, "sliding_window", None) or 0
+    return [window if kind == "sliding_attention" else 0 for kind in kinds]
+
+
 class LlamaForCausalLM(nn.Module):
     decoder_layer = LlamaDecoderLayer
+    # per layer sliding windows, for families whose layers differ (None: the model's
+    # ``sliding_window`` in every layer); ModelConfig.layer_windows reads it
+    layer_windows: Callable[[Any], list[int]] | None = None
     # checkpoint name -> (merged parameter, shard id)
     stacked_params = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
