@@ -196,11 +196,12 @@ def select(cases: list[Case], model_filter: str | None, dtype_filter: str | None
 
 
 def _commands(case: Case, port: int,
-              results: Path) -> tuple[list[str], list[tuple[str, list[str]]]]:
-    """The server's arguments and, per run, its name and the client's arguments."""
+              results: Path) -> tuple[list[str], str, list[tuple[str, list[str]]]]:
+    """The server's arguments, its base URL and, per run, its name and the client's
+    arguments."""
     server = dict(case.server)
     server.setdefault("port", port)
-    host = server.get("host", "127.0.0.1")
+    base_url = f"http://{server.get('host', '127.0.0.1')}:{server['port']}"
     server_args = ["serve", *to_flags(server)]
     client = dict(case.client)
     if "tokenizer" not in client and os.path.exists(case.model):
@@ -209,13 +210,13 @@ def _commands(case: Case, port: int,
     for qps in case.qps:
         for concurrency in case.concurrency:
             name = case.run_name(qps, concurrency)
-            extra = {"base_url": f"http://{host}:{server['port']}", "request_rate": qps,
+            extra = {"base_url": base_url, "request_rate": qps,
                      "save_result": True, "result_dir": str(results),
                      "result_filename": f"{name}.json"}
             if concurrency is not None:
                 extra["max_concurrency"] = concurrency
             runs.append((name, ["bench", "serve", *to_flags({**client, **extra})]))
-    return server_args, runs
+    return server_args, base_url, runs
 
 
 def _shell(env: dict[str, str], args: list[str]) -> str:
@@ -235,7 +236,7 @@ def run_suite(args: argparse.Namespace) -> SuiteReport:
     total = sum(len(c.qps) * len(c.concurrency) for c in cases)
     bar = tqdm(total=total, desc="Suite runs", disable=args.dry_run)
     for case in cases:
-        server_args, runs = _commands(case, args.port, results)
+        server_args, base_url, runs = _commands(case, args.port, results)
         server_command = _shell(case.env, server_args)
         for name, client_args in runs:
             (results / f"{name}.commands").write_text(json.dumps(
@@ -244,7 +245,7 @@ def run_suite(args: argparse.Namespace) -> SuiteReport:
         if args.dry_run:
             print(f"{case.name}: commands written ({len(runs)} client runs)")
             continue
-        report.rows += _run_case(case, server_args, runs, results, args, bar)
+        report.rows += _run_case(case, server_args, base_url, runs, results, args, bar)
     bar.close()
     if not args.dry_run:
         report.summary = write_summary(report.rows, results)
@@ -259,8 +260,9 @@ def _cpullm(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "cpullm.entrypoints.cli", *args]
 
 
-def _run_case(case: Case, server_args: list[str], runs: list[tuple[str, list[str]]],
-              results: Path, args: argparse.Namespace, bar: tqdm) -> list[RunRow]:
+def _run_case(case: Case, server_args: list[str], base_url: str,
+              runs: list[tuple[str, list[str]]], results: Path, args: argparse.Namespace,
+              bar: tqdm) -> list[RunRow]:
     embeddings = case.client.get("backend") == "openai-embeddings"
     rows = [RunRow(case.name, q, c, embeddings=embeddings)
             for q in case.qps for c in case.concurrency]
@@ -269,7 +271,7 @@ def _run_case(case: Case, server_args: list[str], runs: list[tuple[str, list[str
     server = subprocess.Popen(_cpullm(server_args), env={**os.environ, **case.env},
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        error = _wait_healthy(server, server_args, args.server_timeout, log_path)
+        error = _wait_healthy(server, f"{base_url}/health", args.server_timeout, log_path)
         for row, (name, client_args) in zip(rows, runs, strict=True):
             if error:
                 row.error = error
@@ -288,13 +290,8 @@ def _run_case(case: Case, server_args: list[str], runs: list[tuple[str, list[str
     return rows
 
 
-def _wait_healthy(server: subprocess.Popen, server_args: list[str], timeout: float,
-                  log: Path) -> str:
-    """'' once /health answers 200; else why not."""
-    i = server_args.index("--port")
-    host = server_args[server_args.index("--host") + 1] if "--host" in server_args \
-        else "127.0.0.1"
-    url = f"http://{host}:{server_args[i + 1]}/health"
+def _wait_healthy(server: subprocess.Popen, url: str, timeout: float, log: Path) -> str:
+    """'' once ``url`` (the server's /health) answers 200; else why not."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:

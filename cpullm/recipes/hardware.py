@@ -27,6 +27,16 @@ class Hardware:
     topology: CpuTopology
     detected: bool  # the topology is this machine's, not the class's typical server
 
+    @property
+    def usable_nodes(self) -> list[NumaNode]:
+        """The NUMA nodes with CPUs this process may use."""
+        return [n for n in self.topology.nodes if set(n.cpus) & self.topology.allowed]
+
+    @property
+    def node_bytes(self) -> int:
+        """The memory of the smallest usable node: what a node-sized plan may count on."""
+        return min(n.mem_total for n in self.usable_nodes)
+
 
 @functools.cache
 def hardware_classes() -> dict[str, dict[str, Any]]:

@@ -128,7 +128,7 @@ def _facts_from_name(name: str) -> ModelFacts:
 
 
 def _facts_from_files(name: str, source: Any) -> ModelFacts:
-    from cpullm.model_executor.loader.safetensors_loader import safetensors_numel
+    from cpullm.model_executor.loader.safetensors_loader import mxfp4_bytes, safetensors_numel
     from cpullm.model_executor.models import get_model_class
     from cpullm.transformers_utils import load_hf_config
 
@@ -143,9 +143,11 @@ def _facts_from_files(name: str, source: Any) -> ModelFacts:
         weights = os.path.getsize(source.gguf_path)
     else:
         files = sorted(str(p) for p in Path(source.directory).glob("*.safetensors"))
-        kept = quantization not in (None, "mxfp4")  # MXFP4 experts are dequantized at load
+        kept = quantization is not None
         weights = (sum(os.path.getsize(f) for f in files) if kept
                    else safetensors_numel(files) * 2) if files else None
+        if files and quantization == "mxfp4":  # kept as 8-bit codes (quantization/mxfp4.py)
+            weights += mxfp4_bytes(files)
     task = "generate"
     try:
         model_class = get_model_class(archs[0]) if archs else None
@@ -261,8 +263,7 @@ def _dtype(dtype: str, hw: Hardware, notes: list[str]) -> str:
 def _ranks(facts: ModelFacts, recipe: dict[str, Any], hw: Hardware,
            notes: list[str]) -> tuple[int, int, int]:
     """(tensor, pipeline, data) parallel sizes over the NUMA nodes."""
-    nodes = [n for n in hw.topology.nodes if set(n.cpus) & hw.topology.allowed]
-    node_bytes = min(n.mem_total for n in nodes)
+    nodes, node_bytes = hw.usable_nodes, hw.node_bytes
     fits_in = float(recipe.get("weights-share", 0.6)) * node_bytes
     weights = facts.weight_bytes
     if weights is None:
@@ -302,9 +303,8 @@ def _split(facts: ModelFacts, ranks: int, notes: list[str]) -> int:
 def _kv_space(facts: ModelFacts, recipe: dict[str, Any], hw: Hardware, model_ranks: int,
               ranks: int, config: dict[str, Any], notes: list[str]) -> int:
     """GiB of KV cache per rank."""
-    nodes = [n for n in hw.topology.nodes if set(n.cpus) & hw.topology.allowed]
-    ranks_per_node = max(1, math.ceil(ranks / len(nodes)))
-    node_bytes = min(n.mem_total for n in nodes)
+    node_bytes = hw.node_bytes
+    ranks_per_node = max(1, math.ceil(ranks / len(hw.usable_nodes)))
     weights = (facts.weight_bytes or 0) / model_ranks
     left = node_bytes / ranks_per_node - weights - _RUNTIME_BYTES
     space = int(float(recipe.get("kv-cache-share", 0.5)) * left / GiB)
