@@ -299,12 +299,13 @@ class GuidedDecoding:
                                                           dict[str, str]]:
         """For a step's sampling rows: the guided rows, their allowed tokens [guided,
         vocab_size] (bool), and the requests whose grammar failed (id -> why)."""
-        import llguidance.torch as llg_torch
-
         rows = [i for i, p in enumerate(params) if p.structured_outputs is not None]
         failed: dict[str, str] = {}
         if not rows:
             return rows, None, failed
+        # (not before: importing it compiles a torch function, most of a second)
+        import llguidance.torch as llg_torch
+
         bitmask = llg_torch.allocate_token_bitmask(len(rows), self._tokenizer.vocab_size)
         kept = []
         for slot, row in enumerate(rows):
