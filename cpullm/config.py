@@ -123,8 +123,13 @@ class ModelConfig:
             return gguf_weight_bytes(self.source.gguf_path, self.dtype, self.keeps_quantized)
         files = sorted(glob.glob(os.path.join(self.source.directory, "*.safetensors")))
         if self.quantization not in (None, "fp8") and self.keeps_quantized:
+            if self.quantization == "mxfp4":  # 4-bit codes kept as 8-bit ones, and scales
+                # of 2 bytes (quantization/mxfp4.py): twice the MXFP4 tensors' bytes
+                from cpullm.model_executor.loader.safetensors_loader import mxfp4_bytes
+
+                return sum(os.path.getsize(f) for f in files) + mxfp4_bytes(files)
             return sum(os.path.getsize(f) for f in files)
-        if files and self.quantization in (None, "fp8"):
+        if files and self.quantization in (None, "fp8", "mxfp4"):
             # every tensor of the folder in the compute dtype, whatever the architecture
             from cpullm.model_executor.loader.safetensors_loader import safetensors_numel
 

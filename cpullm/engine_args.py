@@ -355,10 +355,6 @@ class EngineArgs:
         found = "gguf" if source.gguf_file else None
         if found is None and config:
             found = canonical_method(str(config.get("quant_method", "")))
-            if found == "mxfp4" and self.quantization in (None, "mxfp4"):
-                logger.info("Quantization: mxfp4 (gpt-oss's experts), dequantized to the "
-                            "compute dtype at load")
-                return None
             if found not in QUANTIZATION_METHODS or found == "gguf":
                 raise ValueError(f"quantization: the checkpoint's format {found!r} is not "
                                  f"supported; supported: {', '.join(QUANTIZATION_METHODS)}")

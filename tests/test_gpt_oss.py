@@ -1,18 +1,21 @@
 """gpt-oss beyond the golden tests (which run it as every architecture): its prompt
 logprobs against transformers, and a checkpoint whose experts are MXFP4, as OpenAI ships
-them, against transformers on the same weights dequantized."""
+them, against transformers on the same weights dequantized (float32), and kept quantized
+(bfloat16) against the same weights dense."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
+import pytest
 import torch
-from conftest import hf_greedy
+from conftest import assert_greedy_follows, hf_greedy, quantized_kernels
 from safetensors.torch import load_file, save_file
 
 from cpullm import LLM, SamplingParams
-from cpullm.model_executor.models.gpt_oss import dequantize_mxfp4
+from cpullm.model_executor.layers.quantization.mxfp4 import Mxfp4Scheme
 
 FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -30,22 +33,32 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return blocks, (exponent + 127).to(torch.uint8), values
 
 
-def test_dequantize_mxfp4():
-    blocks = torch.tensor([[0x21, 0xF7] + [0] * 14], dtype=torch.uint8)  # low nibble first
-    scales = torch.tensor([128], dtype=torch.uint8)  # 2 ** 1
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    rows, groups, _ = blocks.shape
+    unpacked = Mxfp4Scheme().unpack({"weight_blocks": blocks, "weight_scales": scales}, rows,
+                                    groups * 32)
+    return unpacked.dequantize()
+
+
+def test_mxfp4_as_8bit_groups():
+    """The blocks kept exactly as 8-bit groups: q = 128 + 2 e2m1, s = 2^(e - 128)."""
+    blocks = torch.tensor([[[0x21, 0xF7] + [0] * 14]], dtype=torch.uint8)  # low nibble first
+    scales = torch.tensor([[128]], dtype=torch.uint8)  # 2 ** 1
     values = dequantize_mxfp4(blocks, scales)
-    assert values.shape == (32,)
-    assert values[:4].tolist() == [1.0, 2.0, 12.0, -12.0]
-    w = torch.randn(3, 64)
+    assert values.shape == (1, 32)
+    assert values[0, :4].tolist() == [1.0, 2.0, 12.0, -12.0]
+    w = torch.randn(3, 64) * torch.tensor([1e-30, 1.0, 1e30])[:, None]  # far exponents too
     b, s, expected = quantize_mxfp4(w)
     assert torch.equal(dequantize_mxfp4(b, s), expected)
-    assert (expected - w).abs().max() < w.abs().max() / 4
+    assert ((expected - w).abs().amax(1) < w.abs().amax(1) / 4).all()
+    with pytest.raises(ValueError, match="do not fit"):
+        Mxfp4Scheme().unpack({"weight_blocks": b, "weight_scales": s}, 3, 32)
 
 
-def test_mxfp4_checkpoint_equals_transformers_on_its_values(tmp_path, tiny_model):
-    """The experts of the tiny model stored as MXFP4 blocks and scales (with
-    ``quant_method: mxfp4``): cpullm dequantizes them at load and its greedy tokens equal
-    transformers' on a folder holding those values in float32."""
+def mxfp4_checkpoint(tmp_path, tiny_model) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+    """The tiny model's experts stored as MXFP4 blocks and scales (with ``quant_method:
+    mxfp4``), and a reference folder holding their values as float32 weights: (reference,
+    packed, the reference's tensors)."""
     source = tiny_model("gpt_oss")
     reference, packed = tmp_path / "reference", tmp_path / "mxfp4"
     shutil.copytree(source, reference)
@@ -69,18 +82,60 @@ def test_mxfp4_checkpoint_equals_transformers_on_its_values(tmp_path, tiny_model
     config["quantization_config"] = {"quant_method": "mxfp4",
                                      "modules_to_not_convert": ["model.layers.*.self_attn"]}
     (packed / "config.json").write_text(json.dumps(config))
+    return reference, packed, tensors
 
-    prompts = [torch.randint(100, 2000, (n,), generator=torch.Generator().manual_seed(n))
-               .tolist() for n in (9, 40)]
-    expected = hf_greedy(reference, prompts, 16)
+
+PROMPTS = [torch.randint(100, 2000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+           for n in (9, 40)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
+
+
+def test_mxfp4_checkpoint_equals_transformers_on_its_values(tmp_path, tiny_model):
+    """In float32 (no quantized kernels) the experts are dequantized at load, exactly: the
+    greedy tokens equal transformers' on the folder of their values."""
+    reference, packed, tensors = mxfp4_checkpoint(tmp_path, tiny_model)
+    expected = hf_greedy(reference, PROMPTS, 16)
     llm = LLM(str(packed), dtype="float32", block_size=32)
-    got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16,
-                                               ignore_eos=True), use_tqdm=False)
+    got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == expected
     # the memory estimate (KV cache sizing) counts the experts as loaded (the float32
     # folder's values), not as packed
     assert llm.llm_engine.config.model.weight_bytes() == 4 * sum(
         t.numel() for t in tensors.values())
+
+
+def test_mxfp4_experts_kept_quantized_in_bfloat16(tmp_path, tiny_model):
+    """In bfloat16 with the quantized kernels the experts stay quantized (8-bit groups of
+    32, read by the int8 kernels), follow the float32 run of the same weights, and the
+    memory estimate counts them as kept."""
+    from cpullm.model_executor.layers.quantization.kept import QuantizedWeight
+
+    ops, _ = quantized_kernels()
+    if not QuantizedWeight.kernels_run(ops, torch.bfloat16):
+        pytest.skip("no quantized kernels on this CPU: bfloat16 runs dequantized weights")
+    reference, packed, _ = mxfp4_checkpoint(tmp_path, tiny_model)
+    exact = LLM(str(reference), dtype="float32", block_size=32).generate(
+        PROMPTS, GREEDY, use_tqdm=False)
+    llm = LLM(str(packed), dtype="bfloat16", block_size=32)
+    model = llm.llm_engine.model_runner.model
+    weights = [m for m in model.modules() if isinstance(m, QuantizedWeight)]
+    assert len(weights) == 2 * 8 * 2  # layers, experts, projections (gate-up one weight)
+    assert all(w.origin == "MXFP4" and w.fmt.bits == 8 and w.fmt.block == 32
+               for w in weights)
+    down = model.model.layers[0].mlp.experts[0].down_proj
+    assert "cpullm int8 dot products" in down.method.describe(down)
+    kept = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_greedy_follows([o.outputs[0] for o in exact], [o.outputs[0] for o in kept])
+    held = sum(t.numel() * t.element_size() for w in weights
+               for t in (w.data, w.scales, w.mins) if t is not None)
+    # the estimate: the files, and the MXFP4 tensors once more (8-bit codes, 2-byte scales)
+    from cpullm.model_executor.loader.safetensors_loader import mxfp4_bytes
+
+    files = [str(f) for f in packed.glob("*.safetensors")]
+    packed_bytes = mxfp4_bytes(files)
+    assert llm.llm_engine.config.model.weight_bytes() == \
+        sum(f.stat().st_size for f in packed.glob("*.safetensors")) + packed_bytes
+    assert abs(held - 2 * packed_bytes) <= 0.15 * 2 * packed_bytes, (held, packed_bytes)
 
 
 def test_bfloat16_kernels_apply_the_sinks(tiny_model):

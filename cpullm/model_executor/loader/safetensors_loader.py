@@ -39,6 +39,19 @@ def iterate_pickle(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, tensor
 
 
+def mxfp4_bytes(files: list[str]) -> int:
+    """The bytes of the files' MXFP4 tensors (``*_blocks`` and ``*_scales``, uint8), from
+    their headers."""
+    total = 0
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                if name.endswith(("_blocks", "_scales")):
+                    shape = f.get_slice(name).get_shape()
+                    total += int(torch.tensor(shape).prod()) if shape else 1
+    return total
+
+
 def safetensors_numel(files: list[str]) -> int:
     """The number of values in the files' tensors, from their headers (nothing is read).
     MXFP4 tensors (gpt-oss's experts) count as the values they hold once dequantized: two

@@ -55,7 +55,7 @@ MODEL_REGISTRY: dict[str, tuple[type[nn.Module], str]] = {
                             "q/k norms"),
     "GptOssForCausalLM": (GptOssForCausalLM, "gpt-oss-20b, gpt-oss-120b; attention sinks, "
                           "sliding and full layers, YaRN, biased router and experts, clamped "
-                          "SwiGLU, MXFP4 experts (dequantized at load)"),
+                          "SwiGLU, MXFP4 experts (kept as 8-bit groups)"),
     "GlmForCausalLM": (GlmForCausalLM, "GLM-4; interleaved partial rotary, fused gate-up"),
     "Glm4ForCausalLM": (Glm4ForCausalLM, "GLM-4-0414; and post-block norms"),
     # encoders, for pooling (--task embed / score)

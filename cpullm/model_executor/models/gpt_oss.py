@@ -13,9 +13,10 @@ Checkpoints store each layer's experts stacked: ``experts.gate_up_proj`` [expert
 2 x intermediate] and ``experts.down_proj`` [experts, intermediate, hidden] (transposed
 against a linear layer's weight), with biases; OpenAI's releases store the two weights in
 MXFP4 (``*_blocks``: 4-bit e2m1 values, two a byte, 32 to a block; ``*_scales``: a power of
-two per block, e8m0), dequantized here at load. They load into one ordinary linear layer
-per expert and projection (de-interleaved, gate rows then up rows), so the experts run as
-those of the other mixtures do (``SparseMoE``).
+two per block, e8m0), which ``quant_method: mxfp4`` keeps quantized
+(layers/quantization/mxfp4.py). They load into one ordinary linear layer per expert and
+projection (de-interleaved, gate rows then up rows), so the experts run as those of the
+other mixtures do (``SparseMoE``).
 """
 
 from __future__ import annotations
@@ -37,10 +38,6 @@ from cpullm.model_executor.models.llama import (
     windows_by_layer_type,
 )
 from cpullm.model_executor.models.qwen_moe import SparseMoE
-
-# the e2m1 values of a 4-bit code (the sign is its top bit)
-_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 class GptOssExpert(nn.Module):
@@ -108,10 +105,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
 def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]
                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's names and tensors as the model's: the router as the gate, each
-    layer's stacked experts (MXFP4 ones dequantized) as tensors per expert, [out, in], the
-    interleaved gate-up as gate_proj and up_proj (the merged layer's shards, which tensor
-    parallelism splits each)."""
-    pending: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 blocks waiting for scales
+    layer's stacked experts as tensors per expert, [out, in] (MXFP4 ones as their blocks and
+    scales, which quantization/mxfp4.py loads), the interleaved gate-up as gate_proj and
+    up_proj (the merged layer's shards, which tensor parallelism splits each)."""
     for name, tensor in weights:
         if ".mlp.router." in name:
             yield name.replace(".mlp.router.", ".mlp.gate."), tensor
@@ -121,31 +117,20 @@ def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]
             continue
         prefix, _, leaf = name.rpartition(".")
         if leaf.endswith(("_blocks", "_scales")):
+            # MXFP4 is stored [experts, out, ...]: a linear layer's [out, ...] per expert
             projection, _, part = leaf.rpartition("_")
-            parts = pending.setdefault(f"{prefix}.{projection}", {})
-            parts[part] = tensor
-            if len(parts) < 2:
-                continue
-            del pending[f"{prefix}.{projection}"]
-            # MXFP4 is stored [experts, out, in]: a linear layer's [out, in] per expert
-            yield from _split_experts(prefix, projection,
-                                      dequantize_mxfp4(parts["blocks"], parts["scales"]),
-                                      transposed=False)
+            yield from _split_experts(prefix, projection, tensor, False, f"weight_{part}")
         else:  # [experts, in, out] weights, [experts, out] biases
             bias = leaf.endswith("_bias")
-            projection = leaf.removesuffix("_bias")
-            yield from _split_experts(prefix, projection, tensor, transposed=not bias,
-                                      bias=bias)
-    if pending:
-        raise ValueError(f"checkpoint: MXFP4 {sorted(pending)} lack their blocks or scales")
+            yield from _split_experts(prefix, leaf.removesuffix("_bias"), tensor, not bias,
+                                      "bias" if bias else "weight")
 
 
 def _split_experts(prefix: str, projection: str, tensor: torch.Tensor, transposed: bool,
-                   bias: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                   leaf: str) -> Iterator[tuple[str, torch.Tensor]]:
     if projection not in ("gate_up_proj", "down_proj"):
         raise ValueError(f"checkpoint tensor {prefix}.{projection}: not a gpt-oss expert "
                          "projection")
-    leaf = "bias" if bias else "weight"
     for expert, part in enumerate(tensor.unbind(0)):
         if transposed:
             part = part.t()  # [out, in]
@@ -155,16 +140,3 @@ def _split_experts(prefix: str, projection: str, tensor: torch.Tensor, transpose
         else:
             yield f"{prefix}.{expert}.{projection}.{leaf}", part.contiguous()
 
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """[..., groups, 16] uint8 codes (two e2m1 values a byte, the low nibble first) and
-    [..., groups] uint8 e8m0 exponents -> [..., groups * 32] float32."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 \
-            or blocks.shape[:-1] != scales.shape:
-        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales "
-                         f"{tuple(scales.shape)} {scales.dtype} do not match")
-    table = torch.tensor(_FP4_VALUES, dtype=torch.float32)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)  # [..., groups, 32]
-    values = table[codes.long()]
-    exponents = scales.to(torch.int32) - 127
-    return torch.ldexp(values, exponents[..., None].float()).flatten(-2)

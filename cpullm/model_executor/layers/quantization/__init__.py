@@ -65,7 +65,7 @@ class QuantizationConfig(ABC):
 
 # --quantization's values, as vLLM names them (marlin: vLLM's GPU kernels for the same
 # checkpoints, accepted for the flags to carry over)
-QUANTIZATION_METHODS = ("gguf", "awq", "gptq", "compressed-tensors", "fp8")
+QUANTIZATION_METHODS = ("gguf", "awq", "gptq", "compressed-tensors", "fp8", "mxfp4")
 _ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
 
 
@@ -89,10 +89,11 @@ def get_quantization_config(method: str | None, hf_config: object) -> Quantizati
         FP8Config,
     )
     from cpullm.model_executor.layers.quantization.gptq import GPTQConfig
+    from cpullm.model_executor.layers.quantization.mxfp4 import Mxfp4Config
 
     configs: dict[str, type[QuantizationConfig]] = {
         "awq": AWQConfig, "gptq": GPTQConfig, "compressed-tensors": CompressedTensorsConfig,
-        "fp8": FP8Config}
+        "fp8": FP8Config, "mxfp4": Mxfp4Config}
     config = getattr(hf_config, "quantization_config", None) or {}
     if not isinstance(config, dict):
         config = config.to_dict()
