@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cpullm.model_executor.loader import finish_loading
 from cpullm.model_executor.models.qwen_moe import SparseMoE
 
 
@@ -37,9 +38,7 @@ def test_grouped_experts_equal_a_per_token_loop(tokens, normalize, shared):
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.3)
-        for module in moe.modules():  # the dense layers' own ATen path (no kernels)
-            if hasattr(module, "process_weights_after_loading"):
-                module.process_weights_after_loading(None)
+        finish_loading(moe, None)  # the dense layers' own ATen path (no kernels)
         x = torch.randn(tokens, 32)
         experts, _ = moe.route(x)
         if tokens <= 3:
@@ -76,11 +75,9 @@ def test_one_kernel_call_per_projection_is_bit_identical(tokens):
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.3)
-        for module in moe.modules():
-            if hasattr(module, "process_weights_after_loading"):
-                module.process_weights_after_loading(ops)
+        finish_loading(moe, ops)
         x = torch.randn(tokens, 64).to(torch.bfloat16)
         grouped = moe(x)
-        assert moe.grouped is not None and len(moe.grouped[0]) == 8
+        assert len(moe.grouped[0]) == 8  # set at load
         moe.grouped = ([], [], 0)  # expert by expert
         assert torch.equal(grouped, moe(x))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -41,12 +42,7 @@ def get_model(config: ModelConfig, ops: KernelTable | None) -> nn.Module:
         weights = iterate_safetensors(source.directory)
     with torch.no_grad():
         model.load_weights(weights)  # type: ignore[operator]
-        for name, module in model.named_modules():
-            if hasattr(module, "process_weights_after_loading"):
-                try:
-                    module.process_weights_after_loading(ops)
-                except ValueError as e:
-                    raise ValueError(f"cannot load {name}: {e}") from None
+        finish_loading(model, ops)
     model.eval()
     _log_gemm_paths(model, config.dtype)
     logger.info("Loaded %s (%s, %.0f MB of weights, %s, %s) in %.2f s", config.architecture,
@@ -55,6 +51,29 @@ def get_model(config: ModelConfig, ops: KernelTable | None) -> nn.Module:
                 "compiled kernels" if ops is not None else "eager torch ops",
                 time.perf_counter() - start)
     return model
+
+
+def finish_loading(model: nn.Module, ops: KernelTable | None) -> None:
+    """Every module's post-load step (packing, quantized layouts), children first."""
+    for name, module in _children_first(model):
+        if hasattr(module, "process_weights_after_loading"):
+            try:
+                module.process_weights_after_loading(ops)
+            except ValueError as e:
+                raise ValueError(f"cannot load {name}: {e}") from None
+
+
+def _children_first(module: nn.Module, prefix: str = "",
+                    seen: set[int] | None = None) -> Iterator[tuple[str, nn.Module]]:
+    """Every module once (as ``named_modules`` names it), after its submodules: a
+    module's post-load step may read what its children's made (a mixture of experts its
+    experts' packed weights), and a tied LM head the embedding table it shares."""
+    seen = set() if seen is None else seen
+    seen.add(id(module))
+    for name, child in module.named_children():
+        if id(child) not in seen:
+            yield from _children_first(child, f"{prefix}.{name}" if prefix else name, seen)
+    yield prefix, module
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -83,12 +102,15 @@ def _log_gemm_paths(model: nn.Module, dtype: torch.dtype) -> None:
                          module.input_size, module.output_size,
                          str(dtype).removeprefix("torch."), module.method.describe(module))
         elif isinstance(module, SparseMoE):
-            logger.debug("%s: SparseMoE, %d experts, top %d%s, %s: per step, one gate-up and "
-                         "one down GEMM per expert some token chose, over its tokens", name,
+            logger.debug("%s: SparseMoE, %d experts, top %d%s, %s: per step, %s", name,
                          module.num_experts, module.top_k,
                          " renormalised" if module.normalize else "",
                          "with a gated shared expert" if module.shared_expert is not None
-                         else "no shared expert")
+                         else "no shared expert",
+                         "the chosen experts' gate-ups in one grouped kernel call, then their "
+                         f"downs (up to {module.grouped[2]} rows an expert)"
+                         if module.grouped[0] else "one gate-up and one down GEMM per expert "
+                         "some token chose, over its tokens")
         elif isinstance(module, LMHead):
             logger.debug("%s: LMHead [%d -> %d] %s via %s", name, module.hidden_size,
                          module.vocab_size, str(dtype).removeprefix("torch."), module.describe())

@@ -50,7 +50,8 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k, self.normalize, self.num_experts = top_k, normalize, num_experts
         self.ops = ops
-        self.grouped: tuple[list[torch.Tensor], list[torch.Tensor], int] | None = None
+        # (gate-up panels, down panels, rows) of the grouped expert kernel, set at load
+        self.grouped: tuple[list[torch.Tensor], list[torch.Tensor], int] = ([], [], 0)
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=gate_bias, dtype=dtype,
                                      quant_config=quant_config)
         # Under tensor parallelism every rank holds its part of every expert; the partial
@@ -73,6 +74,11 @@ class SparseMoE(nn.Module):
         if self.normalize:
             weights /= weights.sum(dim=-1, keepdim=True)
         return experts, weights.to(logits.dtype)
+
+    def process_weights_after_loading(self, ops: KernelTable | None) -> None:
+        """After the experts packed theirs (the loader runs children first): the grouped
+        path's panels, where it applies."""
+        self.grouped = self._grouped_panels() or ([], [], 0)
 
     def _grouped_panels(self) -> tuple[list[torch.Tensor], list[torch.Tensor], int] | None:
         """Where every expert is a dense bfloat16 Llama MLP on the own GEMM (no bias), the
@@ -105,8 +111,6 @@ class SparseMoE(nn.Module):
         tokens = order // self.top_k
         counts = torch.bincount(experts.flatten(), minlength=self.num_experts).tolist()
         rows = x[tokens]  # [tokens * k, hidden]
-        if self.grouped is None:
-            self.grouped = self._grouped_panels() or ([], [], 0)
         gate_ups, downs, own_rows = self.grouped
         if gate_ups and max(counts) <= own_rows:
             chosen = [e for e, count in enumerate(counts) if count]
