@@ -162,30 +162,33 @@ def pack_awq(q, scales, zeros, bits, g_idx, v2):
 
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.gate_up_proj")
 
 
-def _tiny_llama(tokenizer_dir: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+def _tiny_llama(tokenizer_dir: Path, config_class: str = "LlamaConfig",
+                **extra: object) -> torch.nn.Module:
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                         num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                         num_key_value_heads=KV_HEADS, vocab_size=len(tokenizer),
-                         max_position_embeddings=512, initializer_range=0.1,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = getattr(transformers, config_class)(
+        hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=len(tokenizer),
+        max_position_embeddings=512, initializer_range=0.1, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None, **extra)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def write_checkpoint(root: Path, tokenizer_dir: Path, method: str, bits: int, group: int,
                      symmetric: bool, act_order: bool, v2: bool = False,
-                     not_converted: tuple[str, ...] = ()) -> tuple[Path, Path]:
-    """An AWQ or GPTQ folder of a tiny random Llama, and a float32 folder of the same
-    model with the dequantized weights (the reference)."""
+                     not_converted: tuple[str, ...] = (),
+                     model: torch.nn.Module | None = None) -> tuple[Path, Path]:
+    """An AWQ or GPTQ folder of a tiny random Llama (or ``model``), and a float32 folder of
+    the same model with the dequantized weights (the reference)."""
     from transformers import AutoTokenizer
 
-    model = _tiny_llama(tokenizer_dir)
+    model = model or _tiny_llama(tokenizer_dir)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     quantized, reference = root / "quantized", root / "reference"
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -286,6 +289,18 @@ def test_gptq_checkpoint_matches_transformers(case, tmp_path, tokenizer_dir):
     quantized, reference = write_checkpoint(tmp_path, tokenizer_dir, "gptq", bits, group,
                                             symmetric, act_order, v2)
     _check_end_to_end(quantized, hf_greedy(reference, PROMPTS, 16), "GPTQ")
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_glm_checkpoint_matches_transformers(method, tmp_path, tokenizer_dir):
+    """GLM's interleaved partial rotary on a quantized checkpoint, whose q and k rows are
+    packed (not reordered at load): q and k are reordered as they run. The fused gate-up
+    is quantized whole."""
+    model = _tiny_llama(tokenizer_dir, "GlmConfig", partial_rotary_factor=0.5,
+                        attention_bias=True)
+    quantized, reference = write_checkpoint(tmp_path, tokenizer_dir, method, 4, 128,
+                                            method == "gptq", False, model=model)
+    _check_end_to_end(quantized, hf_greedy(reference, PROMPTS, 16), method.upper())
 
 
 @pytest.mark.parametrize("group", [32, 128])

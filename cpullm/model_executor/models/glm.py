@@ -7,7 +7,9 @@ it joins the residual.
 Interleaved pairs (2i, 2i + 1) at frequency i are rotate-half pairs (i, i + rotary_dim / 2)
 once each head's rotary dims are reordered [0, 2, 4, ..., 1, 3, 5, ...]; q . k does not
 change when q and k are reordered alike. So the q and k rows (and biases) are reordered as
-they load, and the rotate-half kernels run GLM as they run Llama.
+they load, and the rotate-half kernels run GLM as they run Llama. A quantized checkpoint's
+rows are packed (AWQ packs its output columns eight to a word), so there q and k are
+reordered after the projection instead, at each step (two small gathers a layer).
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ class GlmForCausalLM(LlamaForCausalLM):
         return {"qkv_bias": bool(getattr(config, "attention_bias", True)), "o_bias": False,
                 "qk_norm": False}
 
+    def __init__(self, config: Any, max_position: int, dtype: torch.dtype,
+                 ops: KernelTable | None = None,
+                 quant_config: QuantizationConfig | None = None) -> None:
+        super().__init__(config, max_position, dtype, ops, quant_config)
+        self.quantized = quant_config is not None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         config = self.config
         head_dim = (getattr(config, "head_dim", None)
@@ -58,13 +66,15 @@ class GlmForCausalLM(LlamaForCausalLM):
             if not name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias",
                                   "k_proj.bias")):
                 return tensor
-            if not tensor.is_floating_point():
-                raise ValueError(f"{name}: quantized GLM checkpoints are not supported yet")
             rows = tensor.view(-1, head_dim, *tensor.shape[1:])  # [heads, head_dim, (hidden)]
             return rows[:, order].reshape(tensor.shape)
 
-        load_named_weights(self, ((name, reorder(name, t)) for name, t in weights),
-                           self.stacked_params,
+        if self.quantized:  # q and k reordered as they run
+            for layer in stage_layers(config.num_hidden_layers):
+                self.model.layers[layer].self_attn.qk_order = order
+        else:
+            weights = ((name, reorder(name, t)) for name, t in weights)
+        load_named_weights(self, weights, self.stacked_params,
                            {"lm_head.weight"} if self.tie_word_embeddings else set())
 
 

@@ -60,6 +60,9 @@ class LlamaAttention(nn.Module):
             self.k_norm = norm(self.head_dim, config.rms_norm_eps, dtype, ops)
         self.qk_norm = qk_norm
         self.rotary = rotary
+        # a reorder of each head's dims, applied to q and k before the rotary (GLM's
+        # interleaved rotary where the checkpoint's rows cannot be reordered at load)
+        self.qk_order: torch.Tensor | None = None
         if scale is None:
             scale = getattr(config, "attention_multiplier", None) or self.head_dim ** -0.5
         self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_kv_heads,
@@ -84,6 +87,8 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.qk_order is not None:
+            q, k = q[..., self.qk_order], k[..., self.qk_order]
         q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v, kv_cache, meta, self.sinks)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.view(-1, self.q_size))
