@@ -144,6 +144,24 @@ def quantized_kernels() -> tuple[Any, list[str]]:
     return ops, found
 
 
+def assert_kept_experts_grouped(moe: Any, hidden_size: int) -> None:
+    """A mixture of kept-quantized experts runs grouped (two kernel calls a step), bit for
+    bit what its per-expert calls give, for decode-sized and small prompt batches."""
+    assert moe.kept_grouped is not None
+    grouped = moe.kept_grouped
+    torch.manual_seed(0)
+    try:
+        with torch.inference_mode():
+            for tokens in (1, 3, 9):
+                x = torch.randn(tokens, hidden_size).to(torch.bfloat16)
+                moe.kept_grouped = grouped
+                expected = moe(x)
+                moe.kept_grouped = None  # expert by expert
+                assert torch.equal(expected, moe(x)), tokens
+    finally:
+        moe.kept_grouped = grouped
+
+
 def assert_greedy_follows(exact: list[Any], other: list[Any]) -> None:
     """Greedy completions (with logprobs) of two runs agree up to their first difference,
     where each side's token is in the other's top logprobs."""

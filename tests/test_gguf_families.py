@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import TINY, hf_greedy
+from conftest import TINY, assert_kept_experts_grouped, hf_greedy
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
@@ -186,6 +186,7 @@ def test_moe_gguf_keeps_its_expert_blocks(family_gguf):
     if not QuantizedWeight.kernels_run(expert.down_proj.ops, torch.bfloat16):
         pytest.skip("no quantized kernels on this CPU (AVX-512 VNNI)")
     assert all(s.quantized is not None for s in expert.down_proj.segments)
+    assert_kept_experts_grouped(model.model.layers[0].mlp, model.config.hidden_size)
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=4,
                                                        ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4

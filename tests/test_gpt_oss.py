@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_greedy_follows, hf_greedy, quantized_kernels
+from conftest import (
+    assert_greedy_follows,
+    assert_kept_experts_grouped,
+    hf_greedy,
+    quantized_kernels,
+)
 from safetensors.torch import load_file, save_file
 
 from cpullm import LLM, SamplingParams
@@ -124,6 +129,7 @@ def test_mxfp4_experts_kept_quantized_in_bfloat16(tmp_path, tiny_model):
                for w in weights)
     down = model.model.layers[0].mlp.experts[0].down_proj
     assert "cpullm int8 dot products" in down.method.describe(down)
+    assert_kept_experts_grouped(model.model.layers[0].mlp, model.config.hidden_size)
     kept = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert_greedy_follows([o.outputs[0] for o in exact], [o.outputs[0] for o in kept])
     held = sum(t.numel() * t.element_size() for w in weights

@@ -19,6 +19,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.def("quant_gemm", &cpullm::quant_gemm,
         "x @ w.T with w kept quantized, on int8 dot products of x quantized per block");
+  m.def("quant_gemm_grouped", &cpullm::quant_gemm_grouped,
+        "quant_gemm for several kept-quantized weights of one layout, each on its own run "
+        "of rows, in one call");
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
   m.def("quant_gemm_bf16", &cpullm::quant_gemm_bf16,

@@ -40,6 +40,10 @@ void gemm_bf16_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> pan
 void quant_gemm(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                 c10::optional<at::Tensor> mins, int64_t bits, int64_t block, int64_t zero,
                 c10::optional<at::Tensor> bias);
+void quant_gemm_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> data,
+                        std::vector<at::Tensor> scales, std::vector<at::Tensor> mins,
+                        std::vector<at::Tensor> biases, std::vector<int64_t> offsets,
+                        int64_t bits, int64_t block, int64_t zero);
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 void quant_gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,

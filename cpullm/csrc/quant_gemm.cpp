@@ -373,6 +373,38 @@ inline __m256i to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
+// Rows [16 item, 16 item + 16) of W (n rows) with tokens [tb, te) of x (at most
+// kTokenBlock; the first pass over the item prefetches the next item's weights), stored
+// into out (leading dimension ldo) with the bias bp (or none). The 16 rows' sums for a
+// token are reduced together and stored as one vector.
+inline void run_item(const Weight& w, const std::vector<Group>& groups, TileTable tiles,
+                     const QuantizedX& xq, int64_t n, int64_t item, int64_t tb, int64_t te,
+                     const c10::BFloat16* bp, c10::BFloat16* op, int64_t ldo, __m512* sums) {
+  const int64_t r0 = item * kItemRows, rows = std::min<int64_t>(kItemRows, n - r0);
+  const __mmask16 row_mask = static_cast<__mmask16>((1u << rows) - 1);
+  const __m512 b = bp != nullptr ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                       _mm256_maskz_loadu_epi16(row_mask, bp + r0)), 16))
+                                 : _mm512_setzero_ps();
+  for (int64_t t0 = tb; t0 < te; t0 += kTokens) {
+    const int tokens = static_cast<int>(std::min<int64_t>(kTokens, te - t0));
+    for (int i = 0; i < kTokens * kItemRows; ++i) sums[i] = _mm512_setzero_ps();
+    for (int64_t q = 0; q < rows; ++q) {  // q: first row of a tile of 4 rows or 1
+      const bool full_rows = rows - q >= kRows;
+      const auto& by_tokens = tiles[t0 == tb][full_rows];
+      if (tokens == kTokens) {
+        by_tokens[1](w, groups, r0 + q, xq, t0, sums, static_cast<int>(q));
+      } else {
+        for (int t = 0; t < tokens; ++t)
+          by_tokens[0](w, groups, r0 + q, xq, t0 + t, sums + t * kItemRows, static_cast<int>(q));
+      }
+      if (full_rows) q += kRows - 1;
+    }
+    for (int t = 0; t < tokens; ++t)
+      _mm256_mask_storeu_epi16(op + (t0 + t) * ldo + r0, row_mask,
+                               to_bf16(_mm512_add_ps(reduce16(sums + t * kItemRows), b)));
+  }
+}
+
 }  // namespace
 
 // The arguments' checks, shared by both kernels; the groups of a row of W.
@@ -426,38 +458,57 @@ void quant_gemm(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales
   const int64_t ldo = out.stride(0), items = (n + kItemRows - 1) / kItemRows;
   // Each thread takes a run of 16-row items; for many tokens it walks them a block of
   // tokens at a time, so that their quantized x stays in L2 while its weights stream past
-  // (the first pass over an item prefetches the next item's weights). The 16 rows' sums
-  // for a token are reduced together and stored as one vector.
+  // (the first pass over an item prefetches the next item's weights).
   at::parallel_for(0, items, std::max<int64_t>(1, 16 / std::min<int64_t>(m, 16)),
                    [&](int64_t begin, int64_t end) {
     __m512 sums[kTokens * kItemRows];  // [token][row]
     for (int64_t tb = 0; tb < m; tb += kTokenBlock) {
       const int64_t te = std::min(m, tb + kTokenBlock);
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t r0 = item * kItemRows, rows = std::min<int64_t>(kItemRows, n - r0);
-        const __mmask16 row_mask = static_cast<__mmask16>((1u << rows) - 1);
-        const __m512 b = bp != nullptr ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                             _mm256_maskz_loadu_epi16(row_mask, bp + r0)), 16))
-                                       : _mm512_setzero_ps();
-        for (int64_t t0 = tb; t0 < te; t0 += kTokens) {
-          const int tokens = static_cast<int>(std::min<int64_t>(kTokens, te - t0));
-          for (int i = 0; i < kTokens * kItemRows; ++i) sums[i] = _mm512_setzero_ps();
-          for (int64_t q = 0; q < rows; ++q) {  // q: first row of a tile of 4 rows or 1
-            const bool full_rows = rows - q >= kRows;
-            const auto& by_tokens = tiles[t0 == tb][full_rows];
-            if (tokens == kTokens) {
-              by_tokens[1](w, groups, r0 + q, xq, t0, sums, static_cast<int>(q));
-            } else {
-              for (int t = 0; t < tokens; ++t)
-                by_tokens[0](w, groups, r0 + q, xq, t0 + t, sums + t * kItemRows, static_cast<int>(q));
-            }
-            if (full_rows) q += kRows - 1;
-          }
-          for (int t = 0; t < tokens; ++t)
-            _mm256_mask_storeu_epi16(op + (t0 + t) * ldo + r0, row_mask,
-                                     to_bf16(_mm512_add_ps(reduce16(sums + t * kItemRows), b)));
-        }
-      }
+      for (int64_t item = begin; item < end; ++item)
+        run_item(w, groups, tiles, xq, n, item, tb, te, bp, op, ldo, sums);
+    }
+  });
+}
+
+void quant_gemm_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> data,
+                        std::vector<at::Tensor> scales, std::vector<at::Tensor> mins,
+                        std::vector<at::Tensor> biases, std::vector<int64_t> offsets,
+                        int64_t bits, int64_t block, int64_t zero) {
+  const int64_t weights = static_cast<int64_t>(data.size());
+  TORCH_CHECK(weights > 0 && static_cast<int64_t>(scales.size()) == weights &&
+              (mins.empty() || static_cast<int64_t>(mins.size()) == weights) &&
+              (biases.empty() || static_cast<int64_t>(biases.size()) == weights) &&
+              static_cast<int64_t>(offsets.size()) == weights + 1 && offsets[0] == 0 &&
+              offsets[weights] == x.size(0),
+              "quant_gemm_grouped: a scale (and min, bias) per weight and offsets [0, ..., rows]");
+  std::vector<Group> groups;
+  for (int64_t g = 0; g < weights; ++g) {
+    TORCH_CHECK(offsets[g] <= offsets[g + 1] && data[g].sizes() == data[0].sizes() &&
+                scales[g].scalar_type() == scales[0].scalar_type(),
+                "quant_gemm_grouped: weights of one shape and layout expected");
+    groups = check_quant_gemm(out, x, data[g], scales[g],
+                              mins.empty() ? c10::optional<at::Tensor>() : mins[g], bits, block,
+                              biases.empty() ? c10::optional<at::Tensor>() : biases[g]);
+  }
+  const int64_t m = x.size(0), k = x.size(1), n = data[0].size(0);
+  if (m == 0) return;
+  const QuantizedX xq = quantize_x(x, block, groups);
+  const TileTable tiles = pick(bits, block, scales[0].scalar_type() == at::kHalf, !mins.empty());
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  const int64_t ldo = out.stride(0), items = (n + kItemRows - 1) / kItemRows;
+  // Every (weight, 16-row item) is one unit of a single parallel loop; each runs over its
+  // weight's tokens.
+  at::parallel_for(0, weights * items, 1, [&](int64_t begin, int64_t end) {
+    __m512 sums[kTokens * kItemRows];
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t g = unit / items, item = unit % items;
+      const Weight w{data[g].data_ptr<uint8_t>(), data[g].size(1), scales[g].data_ptr(),
+                     mins.empty() ? nullptr : mins[g].data_ptr(), k / block,
+                     static_cast<float>(zero)};
+      const c10::BFloat16* bp = biases.empty() ? nullptr : biases[g].data_ptr<c10::BFloat16>();
+      for (int64_t tb = offsets[g]; tb < offsets[g + 1]; tb += kTokenBlock)
+        run_item(w, groups, tiles, xq, n, item, tb, std::min(offsets[g + 1], tb + kTokenBlock),
+                 bp, op, ldo, sums);
     }
   });
 }

@@ -84,6 +84,7 @@ class KernelTable:
     gemm_bf16_grouped: Kernel | None
     prefill_softmax_bf16: Kernel | None
     quant_gemm: Kernel | None  # AVX-512 VNNI
+    quant_gemm_grouped: Kernel | None
     quant_gemm_bf16: Kernel | None  # AVX-512 VNNI and BF16
     sample_from_logits: Kernel | None  # AVX-512
     module: ModuleType = field(repr=False, compare=False)  # the extension itself

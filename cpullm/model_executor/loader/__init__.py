@@ -16,6 +16,7 @@ from cpullm.model_executor.layers.linear import LinearBase
 from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import get_quantization_config
 from cpullm.model_executor.layers.quantization.dense import PackedGemm
+from cpullm.model_executor.layers.quantization.kept import VNNI_MAX_ROWS
 from cpullm.model_executor.loader.gguf_loader import iterate_gguf
 from cpullm.model_executor.loader.safetensors_loader import iterate_pickle, iterate_safetensors
 from cpullm.model_executor.models import get_model_class
@@ -109,8 +110,11 @@ def _log_gemm_paths(model: nn.Module, dtype: torch.dtype) -> None:
                          else "no shared expert",
                          "the chosen experts' gate-ups in one grouped kernel call, then their "
                          f"downs (up to {module.grouped[2]} rows an expert)"
-                         if module.grouped[0] else "one gate-up and one down GEMM per expert "
-                         "some token chose, over its tokens")
+                         if module.grouped[0] else
+                         "the chosen experts' kept-quantized gate-ups in one int8 kernel call, "
+                         f"then their downs (up to {VNNI_MAX_ROWS} rows an expert)"
+                         if module.kept_grouped is not None else "one gate-up and one down "
+                         "GEMM per expert some token chose, over its tokens")
         elif isinstance(module, LMHead):
             logger.debug("%s: LMHead [%d -> %d] %s via %s", name, module.hidden_size,
                          module.vocab_size, str(dtype).removeprefix("torch."), module.describe())

@@ -53,11 +53,15 @@ class GptOssExpert(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=True,
                                            dtype=dtype, quant_config=quant_config, reduce=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The gate-up projection's output -> the down projection's input."""
+        gate, up = gate_up.chunk(2, dim=-1)
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
-        return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.activate(self.gate_up_proj(x)))
 
 
 class GptOssMoE(SparseMoE):

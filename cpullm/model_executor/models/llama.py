@@ -106,6 +106,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias,
                                            dtype=dtype, quant_config=quant_config, reduce=reduce)
 
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The gate-up product (where the projection has not applied SiLU-mul itself, as
+        the grouped expert kernels leave it) -> the down projection's input."""
+        return self.gate_up_proj.act(gate_up)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))
 

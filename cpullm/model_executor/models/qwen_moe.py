@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,9 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpullm import distributed
-from cpullm.model_executor.layers.linear import ReplicatedLinear
+from cpullm.model_executor.layers.linear import LinearBase, ReplicatedLinear
 from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import QuantizationConfig
+from cpullm.model_executor.layers.quantization.kept import VNNI_MAX_ROWS, QuantizedWeight
 from cpullm.model_executor.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
@@ -52,6 +54,7 @@ class SparseMoE(nn.Module):
         self.ops = ops
         # (gate-up panels, down panels, rows) of the grouped expert kernel, set at load
         self.grouped: tuple[list[torch.Tensor], list[torch.Tensor], int] = ([], [], 0)
+        self.kept_grouped: _KeptExperts | None = None  # or, for kept-quantized experts
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=gate_bias, dtype=dtype,
                                      quant_config=quant_config)
         # Under tensor parallelism every rank holds its part of every expert; the partial
@@ -79,6 +82,7 @@ class SparseMoE(nn.Module):
         """After the experts packed theirs (the loader runs children first): the grouped
         path's panels, where it applies."""
         self.grouped = self._grouped_panels() or ([], [], 0)
+        self.kept_grouped = None if self.grouped[0] else _KeptExperts.of(self.experts, ops)
 
     def _grouped_panels(self) -> tuple[list[torch.Tensor], list[torch.Tensor], int] | None:
         """Where every expert is a dense bfloat16 Llama MLP on the own GEMM (no bias), the
@@ -122,6 +126,8 @@ class SparseMoE(nn.Module):
             out_rows = rows.new_empty(rows.shape)
             self.ops.gemm_bf16_grouped(out_rows, hidden, [downs[e] for e in chosen], offsets,
                                        False)
+        elif self.kept_grouped is not None and max(counts) <= VNNI_MAX_ROWS:
+            out_rows = self.kept_grouped(rows, counts, self.experts[0].activate)
         else:
             out_rows = torch.empty_like(rows)
             start = 0
@@ -136,6 +142,63 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return distributed.tp_all_reduce(out)
+
+
+@dataclass
+class _KeptExperts:
+    """Experts whose gate-up and down projections are each one kept-quantized weight of one
+    layout (AWQ, GPTQ, MXFP4, GGUF, ...): a step's chosen experts run in two kernel calls
+    (``quant_gemm_grouped``: all gate-ups, then, after the activation on all their rows,
+    all downs), bit for bit what the per-expert calls give."""
+
+    gate_ups: list[QuantizedWeight]
+    gate_up_biases: list[torch.Tensor] | None
+    downs: list[QuantizedWeight]
+    down_biases: list[torch.Tensor] | None
+    ops: KernelTable
+
+    @classmethod
+    def of(cls, experts: nn.ModuleList, ops: KernelTable | None) -> _KeptExperts | None:
+        if ops is None or ops.quant_gemm_grouped is None:
+            return None
+        projections = []
+        for name in ("gate_up_proj", "down_proj"):
+            layers = [getattr(expert, name, None) for expert in experts]
+            if not all(isinstance(layer, LinearBase) and len(getattr(layer, "segments", ())) == 1
+                       and layer.segments[0].quantized is not None
+                       and layer.segments[0].perm is None for layer in layers):
+                return None  # (dense layers have no segments)
+            weights = [layer.segments[0].quantized for layer in layers]
+            first = weights[0]
+            if any(w.fmt != first.fmt or w.data.shape != first.data.shape
+                   or w.scales.dtype != first.scales.dtype
+                   or not w.kernels_run(ops, layers[0].compute_dtype) for w in weights):
+                return None
+            biases = [layer.bias for layer in layers]
+            if any((b is None) != (biases[0] is None) for b in biases):
+                return None
+            projections += [weights, None if biases[0] is None else biases]
+        if not hasattr(experts[0], "activate"):
+            return None
+        return cls(*projections, ops)
+
+    def __call__(self, rows: torch.Tensor, counts: list[int],
+                 activate: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The experts' outputs for ``rows``, sorted by expert (``counts`` rows each)."""
+        chosen = [e for e, count in enumerate(counts) if count]
+        offsets = [0, *itertools.accumulate(counts[e] for e in chosen)]
+
+        def pick(items: list[Any] | None) -> list[Any] | None:
+            return None if items is None else [items[e] for e in chosen]
+
+        hidden = rows.new_empty(rows.shape[0], self.gate_ups[0].n)
+        QuantizedWeight.matmul_grouped(hidden, rows, pick(self.gate_ups), pick(self.gate_up_biases),
+                                       offsets, self.ops)
+        hidden = activate(hidden).contiguous()
+        out = rows.new_empty(rows.shape[0], self.downs[0].n)
+        QuantizedWeight.matmul_grouped(out, hidden, pick(self.downs), pick(self.down_biases),
+                                       offsets, self.ops)
+        return out
 
 
 class MoeDecoderLayer(LlamaDecoderLayer):

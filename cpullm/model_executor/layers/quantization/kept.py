@@ -129,6 +129,19 @@ class QuantizedWeight(nn.Module):
             w = self.dequantize(x.dtype, slice(start, end))
             out[:, start:end] = F.linear(x, w, None if bias is None else bias[start:end])
 
+    @staticmethod
+    def matmul_grouped(out: torch.Tensor, x: torch.Tensor, weights: list[QuantizedWeight],
+                       biases: list[torch.Tensor] | None, offsets: list[int],
+                       ops: KernelTable) -> None:
+        """out[offsets[i]:offsets[i + 1]] = x[offsets[i]:offsets[i + 1]] @ weights[i].T (+
+        biases[i]), every weight of one layout and shape, in one kernel call (the int8 dot
+        products: each run of rows at most VNNI_MAX_ROWS)."""
+        fmt = weights[0].fmt
+        assert ops.quant_gemm_grouped is not None
+        ops.quant_gemm_grouped(out, x, [w.data for w in weights], [w.scales for w in weights],
+                               [w.mins for w in weights] if fmt.zero is None else [],
+                               biases or [], offsets, fmt.bits, fmt.block, fmt.zero or 0)
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, ops: KernelTable | None
                ) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
