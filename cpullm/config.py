@@ -94,6 +94,14 @@ class ModelConfig:
         return getattr(self.hf_config, "sliding_window", None)
 
     @property
+    def longrope_edge(self) -> int | None:
+        """LongRoPE: the sequence length past which a sequence runs (and is recomputed) on
+        the long factors; None for other rotaries or where max_model_len stays within it."""
+        from cpullm.model_executor.layers.rotary import longrope_edge
+
+        return longrope_edge(self.hf_config, self.max_model_len)
+
+    @property
     def layer_windows(self) -> list[int]:
         """Each decoder layer's sliding window (0: the whole context), as the model's
         attention layers take it."""
@@ -274,6 +282,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     whole_inputs: bool = False  # an encoder's: each input in one step, no KV blocks
+    # LongRoPE: a request longer than this runs on the long factors, recomputed (ModelConfig)
+    longrope_edge: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

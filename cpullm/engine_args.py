@@ -303,7 +303,8 @@ class EngineArgs:
                                  f"max_model_len={max_model_len}: an encoder computes an "
                                  "input whole, in one step")
         scheduler = SchedulerConfig(self._budget("max_num_seqs", sizes), tokens, max_model_len,
-                                    whole_inputs=encoder)
+                                    whole_inputs=encoder,
+                                    longrope_edge=None if encoder else model_config.longrope_edge)
         groups = None if encoder else KVCacheGroups.plan(
             [0] * model_config.num_layers if self.disable_hybrid_kv_cache_manager
             else model_config.layer_windows)

@@ -148,9 +148,10 @@ def test_prompt_logprobs_match_transformers(tiny_model, arch):
         assert abs(entry[token].logprob - float(logits[i, token])) < 1e-3, i
 
 
-def test_longrope_positions_past_the_pretraining_length_take_the_long_factors(tiny_model):
-    """Per position, as transformers' rotary embedding computes them: short factors below
-    original_max_position_embeddings, long ones from there on."""
+def test_longrope_tables_hold_the_short_then_the_long_factors(tiny_model):
+    """As transformers' rotary embedding computes them: the short factors for the positions
+    of a sequence within original_max_position_embeddings (256), the long factors for every
+    position of a longer one (at table index 256 + position)."""
     from transformers import AutoConfig
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
@@ -159,17 +160,30 @@ def test_longrope_positions_past_the_pretraining_length_take_the_long_factors(ti
     config = AutoConfig.from_pretrained(tiny_model("phi3"))
     head_dim = config.hidden_size // config.num_attention_heads
     ours = RotaryEmbedding(config, head_dim, 1024)
-    assert ours.rotary_dim == head_dim // 2
-    for position in (0, 100, 255, 256, 300, 1023):
-        theirs = Phi3RotaryEmbedding(config)
-        cos, sin = theirs(torch.zeros(1, dtype=torch.float32), torch.tensor([[position]]))
+    assert ours.rotary_dim == head_dim // 2 and ours.cos.shape[0] == 256 + 1024
+    theirs = Phi3RotaryEmbedding(config)
+    for position in (0, 100, 255):  # a short sequence
+        cos, sin = theirs(torch.zeros(1), torch.tensor([[position]]))
         assert torch.allclose(ours.cos[position], cos[0, 0], atol=1e-6), position
         assert torch.allclose(ours.sin[position], sin[0, 0], atol=1e-6), position
-    # and the long factors are not the short ones: position 300 from the short factors
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    for position in (0, 100, 255, 256, 300, 1023):  # a long one: its last position is 1023
+        cos, sin = theirs(torch.zeros(1), torch.tensor([[position, 1023]]))
+        assert torch.allclose(ours.cos[256 + position], cos[0, 0], atol=1e-6), position
+        assert torch.allclose(ours.sin[256 + position], sin[0, 0], atol=1e-6), position
+    assert not torch.allclose(ours.cos[100], ours.cos[256 + 100], atol=1e-3)
 
-    short, scaling = ROPE_INIT_FUNCTIONS["longrope"](config, torch.device("cpu"))
-    short_cos = torch.cat([300.0 * short] * 2).cos() * scaling
-    assert torch.allclose(ours.cos[100], torch.cat([100.0 * short] * 2).cos() * scaling,
-                          atol=1e-6)
-    assert not torch.allclose(ours.cos[300], short_cos, atol=1e-3)
+
+def test_longrope_sequences_that_outgrow_the_pretraining_length(tiny_model):
+    """Greedy tokens equal transformers' for a prompt past original_max_position_embeddings
+    (long factors from the start), one that outgrows it while decoding (recomputed on the
+    long factors, as transformers recomputes it) and a short one, in one batch."""
+    model_dir = str(tiny_model("phi3"))
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(100, 2000, (n,), generator=generator).tolist()
+               for n in (300, 248, 40)]
+    expected = hf_greedy(model_dir, prompts, 16)
+    llm = LLM(model_dir, dtype="float32", block_size=32, max_num_batched_tokens=128)
+    got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16,
+                                               ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == expected
+    assert_pool_free(llm)

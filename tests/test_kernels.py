@@ -220,7 +220,8 @@ def test_bf16_prompt_attention_matches_sdpa(window, shapes):
             block_tables=[tables[used:used + count]], sample=True,
             sampling_params=SamplingParams(), prompt_token_ids=[], output_token_ids=[]))
         used += count
-    runner = SimpleNamespace(block_size=block, sliding_window=window or None)
+    runner = SimpleNamespace(block_size=block, sliding_window=window or None,
+                             long_rope_offset=None)
     _, _, meta, _ = ModelRunner._prepare_inputs(runner, items)
     num_tokens = sum(new for _, new in shapes)
     kv_cache = torch.randn(2, blocks, block, kv_heads, dim).bfloat16()

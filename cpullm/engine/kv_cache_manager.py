@@ -115,8 +115,9 @@ class KVCacheManager:
         """Per group, the blocks already holding a prefix of the request's tokens (the same
         number in each; a sliding group's NULL before its window), or [] for none. At least
         one token is always left to compute, so the last position still produces logits."""
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return []
+        if not self.enable_prefix_caching or request.long_rope \
+                or request.sampling_params.prompt_logprobs is not None:
+            return []  # (LongRoPE's long-factor KV is not shared)
         self._update_hashes(request, request.num_tokens - 1)
         hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
         self.num_queries += request.num_tokens
@@ -201,7 +202,7 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, request: Request, num_computed_before: int) -> None:
         """Make the blocks filled since num_computed_before findable by later requests."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.long_rope:
             return
         self._update_hashes(request, request.num_computed_tokens)
         hashes = request.block_hashes

@@ -35,9 +35,9 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids",
                  "max_model_len", "arrival_time", "output_token_ids", "all_token_ids",
-                 "num_computed_tokens", "block_tables", "block_hashes", "status", "stop_reason",
-                 "num_cached_tokens", "scheduled_time", "first_token_time", "last_token_time",
-                 "cache_salt")
+                 "num_computed_tokens", "block_tables", "block_hashes", "long_rope", "status",
+                 "stop_reason", "num_cached_tokens", "scheduled_time", "first_token_time",
+                 "last_token_time", "cache_salt")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_ids: set[int],
@@ -60,6 +60,8 @@ class Request:
         # Per KV cache group (config.KVCacheGroups): the request's blocks, position p in
         # block p // block_size of each.
         self.block_tables: list[list[int]] = []
+        # LongRoPE: past the pretraining length the KV is (re)computed on the long factors
+        self.long_rope = False
         # Chained digests of the full blocks of all_token_ids, for prefix caching; the first
         # is also of the salt, so that requests with different salts never share blocks.
         self.cache_salt = cache_salt

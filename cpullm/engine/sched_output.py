@@ -26,6 +26,7 @@ class ScheduledRequest:
     sampling_params: SamplingParams | PoolingParams  # PoolingParams: a pooling request
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    long_rope: bool = False  # LongRoPE: this request's positions take the long factors
 
 
 @dataclass(slots=True)

@@ -65,6 +65,9 @@ class Scheduler:
             if request.request_id in self.in_flight:
                 i += 1
                 continue
+            if self._outgrows_rope(request):  # all of it again, on the long factors
+                self.kv_cache_manager.free(request)
+                request.num_computed_tokens = 0
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv_cache_manager.allocate_slots(request, num_new):
                 victim = self._newest_idle(i)
@@ -87,6 +90,7 @@ class Scheduler:
                 if num_new > budget:
                     break
             else:  # (a pooling request pools every token's state: it computes them all)
+                self._outgrows_rope(request)
                 cached = [] if isinstance(request.sampling_params, PoolingParams) \
                     else self.kv_cache_manager.find_cached_prefix(request)
                 num_cached = len(cached[0]) * self.kv_cache_manager.block_size if cached else 0
@@ -111,6 +115,16 @@ class Scheduler:
         self.in_flight.update(request.request_id for request, _ in scheduled)
         return output
 
+    def _outgrows_rope(self, request: Request) -> bool:
+        """Whether the request has just grown past LongRoPE's pretraining length, where its
+        positions take the long factors (as in transformers, which then recomputes the
+        sequence); it is marked so."""
+        edge = self.config.longrope_edge
+        if edge is None or request.long_rope or request.num_tokens <= edge:
+            return False
+        request.long_rope = True
+        return True
+
     def _newest_idle(self, first: int) -> Request:
         """The newest running request from index ``first`` on that no step in flight
         holds (request ``first`` itself at the latest)."""
@@ -128,7 +142,8 @@ class Scheduler:
             sample=start + num_new == request.num_tokens,
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids)
+            output_token_ids=request.output_token_ids,
+            long_rope=request.long_rope)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -141,6 +141,8 @@ class ModelRunner(RunnerBase):
         model_config = config.model
         self.block_size = config.cache.block_size
         self.sliding_window = model_config.sliding_window
+        # LongRoPE: the rotary tables' long factors start here (layers/rotary.py)
+        self.long_rope_offset = model_config.longrope_edge
         groups = config.cache.groups or KVCacheGroups.plan([0] * model_config.num_layers)
         # one tensor per layer slot of the groups (config.KVCacheGroups), each with the NULL
         # page past the pool's where sliding groups drop blocks
@@ -326,6 +328,11 @@ class ModelRunner(RunnerBase):
         request_of_token = np.repeat(np.arange(len(items)), query_lens)
         positions = (np.arange(num_tokens) - np.repeat(query_ends - query_lens, query_lens)
                      + np.repeat(starts, query_lens))
+        long_rope = np.fromiter((r.long_rope for r in items), dtype=bool, count=len(items))
+        if long_rope.any():  # their rotary positions index the long factors' tables
+            rope_positions = positions + np.repeat(long_rope, query_lens) * self.long_rope_offset
+        else:
+            rope_positions = positions
         # [groups, requests, blocks]; every group's table of a request is as long
         num_groups = len(items[0].block_tables)
         max_blocks = max(len(r.block_tables[0]) for r in items)
@@ -360,7 +367,7 @@ class ModelRunner(RunnerBase):
             prefill_query_lens=torch.from_numpy(p_lens),
             prefill_fresh=bool(len(p_starts)) and not p_starts.any(),
             block_size=bs)
-        return torch.from_numpy(input_ids), torch.from_numpy(positions), meta, query_ends
+        return torch.from_numpy(input_ids), torch.from_numpy(rope_positions), meta, query_ends
 
     @staticmethod
     def _prompt_logprob_rows(items: list[ScheduledRequest], query_ends: np.ndarray

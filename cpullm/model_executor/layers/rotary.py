@@ -25,6 +25,18 @@ def _rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str,
     return params
 
 
+def longrope_edge(hf_config: Any, max_len: int) -> int | None:
+    """For LongRoPE (Phi-3's ``longrope`` / ``su``): the pretraining length past which a
+    sequence runs on the long factors, where sequences of ``max_len`` tokens can pass it;
+    else None."""
+    params = _rope_parameters(hf_config)
+    if params["rope_type"] != "longrope":
+        return None
+    edge = params.get("original_max_position_embeddings",
+                      getattr(hf_config, "original_max_position_embeddings", None))
+    return edge if edge is not None and max_len > edge else None
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to max_position, computed once."""
 
@@ -59,15 +71,16 @@ class RotaryEmbedding(nn.Module):
                 return rope_init(config, device, **kwargs)
 
             cos, sin = self._tables(positions, *init(hf_config, torch.device("cpu")))
-            if rope_type == "longrope":
-                # LongRoPE: its short factors up to the pretraining length, its long ones
-                # beyond, per position. (transformers recomputes a sequence that outgrows the
-                # pretraining length with the long factors throughout; here the positions
-                # already computed keep theirs: docs/architecture.md.)
-                edge = min(max_position, params["original_max_position_embeddings"])
+            edge = longrope_edge(hf_config, max_position)
+            if edge is not None:
+                # LongRoPE: a sequence up to the pretraining length runs on the short
+                # factors, a longer one on the long factors throughout (the model runner
+                # adds ``edge`` to its positions; the scheduler recomputes a sequence that
+                # outgrows the length), as transformers does: the tables hold the short
+                # factors' first ``edge`` positions, then the long factors' every position.
                 long_cos, long_sin = self._tables(positions, *init(
                     hf_config, torch.device("cpu"), seq_len=edge + 1))
-                cos[edge:], sin[edge:] = long_cos[edge:], long_sin[edge:]
+                cos, sin = torch.cat([cos[:edge], long_cos]), torch.cat([sin[:edge], long_sin])
         assert cos.shape[1] == self.rotary_dim
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
