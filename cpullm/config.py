@@ -115,11 +115,13 @@ class ModelConfig:
     @property
     def keeps_quantized(self) -> bool:
         """Whether quantized weights stay quantized: where the quantized kernels run
-        (AVX-512 VNNI, bfloat16 compute; see layers/quantization/kept.py)."""
+        (AVX-512 VNNI, and BF16 for FP8; bfloat16 compute; see layers/quantization/kept.py
+        and fp8.py)."""
         from cpullm.platform.cpu import cpu_info
 
-        return self.dtype == torch.bfloat16 and not self.enforce_eager and {
-            "avx512_vnni", "avx512bw"} <= cpu_info().flags
+        needs = {"avx512_vnni", "avx512bw"} | ({"avx512_bf16"} if self.quantization == "fp8"
+                                               else set())
+        return self.dtype == torch.bfloat16 and not self.enforce_eager and needs <= cpu_info().flags
 
     def weight_bytes(self) -> int:
         """Memory the weights take once loaded: a GGUF file's tensors as kept (blocks stay
@@ -130,7 +132,7 @@ class ModelConfig:
 
             return gguf_weight_bytes(self.source.gguf_path, self.dtype, self.keeps_quantized)
         files = sorted(glob.glob(os.path.join(self.source.directory, "*.safetensors")))
-        if self.quantization not in (None, "fp8") and self.keeps_quantized:
+        if self.quantization is not None and self.keeps_quantized:
             if self.quantization == "mxfp4":  # 4-bit codes kept as 8-bit ones, and scales
                 # of 2 bytes (quantization/mxfp4.py): twice the MXFP4 tensors' bytes
                 from cpullm.model_executor.loader.safetensors_loader import mxfp4_bytes

@@ -21,6 +21,7 @@ from conftest import assert_greedy_follows, hf_greedy, quantized_kernels
 from safetensors.torch import save_file
 
 from cpullm.model_executor.layers.quantization.awq import ORDER
+from cpullm.model_executor.layers.quantization.fp8 import Float8Groups, Float8Weight
 from cpullm.model_executor.layers.quantization.gguf_blocks import pack, unpack
 from cpullm.model_executor.layers.quantization.int_groups import IntGroups
 from cpullm.model_executor.layers.quantization.kept import (
@@ -245,12 +246,13 @@ def _generate(model: str, dtype: str, max_tokens: int = 16):
     return llm.llm_engine.model_runner.model, [o.outputs[0] for o in outputs]
 
 
-def _check_end_to_end(quantized: Path, expected: list[list[int]], origin: str | None) -> None:
-    """float32: exactly the reference's tokens; bfloat16, kept quantized where the kernels
-    run: every linear layer's weights quantized (but those the checkpoint keeps in floats),
-    the greedy tokens following float32's (at the first difference, each side's token in
-    the other's top 5), and the weights' memory within 15% of the checkpoint's. ``origin``
-    None: a format that is dequantized at load (FP8)."""
+def _check_end_to_end(quantized: Path, expected: list[list[int]], origin: str,
+                      kept_as: type[QuantizedWeight] = QuantizedWeight) -> None:
+    """float32: exactly the reference's tokens; bfloat16, kept quantized (as ``kept_as``)
+    where the kernels run: every linear layer's weights quantized (but those the checkpoint
+    keeps in floats), the greedy tokens following float32's (at the first difference, each
+    side's token in the other's top 5), and the weights' memory within 15% of the
+    checkpoint's."""
     from cpullm.model_executor.layers.linear import LinearBase
 
     model, exact = _generate(str(quantized), "float32")
@@ -258,11 +260,11 @@ def _check_end_to_end(quantized: Path, expected: list[list[int]], origin: str | 
     assert all(s.quantized is None for m in model.modules() if isinstance(m, LinearBase)
                for s in m.segments)
     ops, _ = quantized_kernels()
-    if not QuantizedWeight.kernels_run(ops, torch.bfloat16):
+    if not kept_as.kernels_run(ops, torch.bfloat16):
         return  # bfloat16 runs dequantized too on this CPU
     model, kept = _generate(str(quantized), "bfloat16")
     weights = [m for m in model.modules() if isinstance(m, QuantizedWeight)]
-    assert all(w.origin == origin for w in weights) and bool(weights) == (origin is not None)
+    assert weights and all(type(w) is kept_as and w.origin == origin for w in weights)
     assert_greedy_follows(exact, kept)
     from safetensors import safe_open
 
@@ -274,8 +276,7 @@ def _check_end_to_end(quantized: Path, expected: list[list[int]], origin: str | 
                 for s in m.segments if s.gemm is not None)
     held = sum(t.numel() * t.element_size() for w in weights
                for t in (w.data, w.scales, w.mins) if t is not None)
-    if origin is not None:
-        assert held + dense <= 1.15 * stored, (held, dense, stored)
+    assert held + dense <= 1.15 * stored, (held, dense, stored)
 
 
 GPTQ_CASES = [  # bits, group, symmetric, act order, gptq_v2
@@ -385,8 +386,8 @@ def test_compressed_tensors_checkpoint_matches_transformers(name, tmp_path, toke
     reference = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=torch.float32,
         quantization_config=CompressedTensorsConfig(run_compressed=False))
-    _check_end_to_end(path, hf_greedy(reference, PROMPTS, 16),
-                      None if name.startswith("fp8") else "compressed-tensors")
+    _check_end_to_end(path, hf_greedy(reference, PROMPTS, 16), "compressed-tensors",
+                      Float8Weight if name.startswith("fp8") else QuantizedWeight)
 
 
 def _with_quantization_config(folder: Path, qconfig: dict) -> Path:
@@ -428,27 +429,136 @@ def test_quantization_flag_must_match_the_checkpoint(tiny_model):
         LLM(model=str(tiny_model("llama")), quantization="int3")
 
 
+# ----- FP8 -----
+
 def test_fp8_block_scales_dequantize_per_block():
     """quant_method fp8 with weight_block_size [128, 128]: one weight_scale_inv per block,
     the last blocks partial."""
     from cpullm.model_executor.layers.quantization.compressed_tensors import (
         CompressedTensorsScheme,
+        FP8Config,
     )
 
     gen = torch.Generator().manual_seed(0)
     n, k = 200, 300  # blocks of 128: 2 x 3, the last ones short
     weight = (torch.randn(n, k, generator=gen) * 2).to(torch.float8_e4m3fn)
     scale_inv = torch.rand(2, 3, generator=gen) + 0.5
-    from cpullm.model_executor.layers.quantization.compressed_tensors import FP8Config
-
     scheme = FP8Config({"quant_method": "fp8", "weight_block_size": [128, 128]}).scheme
     tensors = {"weight": weight, "weight_scale_inv": scale_inv}
     assert scheme.is_quantized(tensors)
     rows, cols = torch.arange(n) // 128, torch.arange(k) // 128
-    assert torch.equal(scheme.unpack(tensors, n, k),
-                       weight.float() * scale_inv[rows][:, cols])
-    assert torch.equal(CompressedTensorsScheme().unpack(tensors, n, k),  # 128 x 128 found
-                       weight.float() * scale_inv[rows][:, cols])
+    expected = weight.float() * scale_inv[rows][:, cols]
+    assert torch.equal(scheme.unpack(tensors, n, k).dequantize(), expected)
+    found = CompressedTensorsScheme().unpack(tensors, n, k)  # 128 x 128 found
+    assert torch.equal(found.dequantize(), expected)
+    # split for tensor parallelism: rows anywhere, columns on the blocks
+    assert torch.equal(found.narrow(0, 72, 100).dequantize(), expected[72:172])
+    assert torch.equal(found.narrow(1, 128, 172).dequantize(), expected[:, 128:])
+    with pytest.raises(ValueError, match="do not fall on the FP8 blocks"):
+        found.narrow(1, 64, 128)
     with pytest.raises(ValueError, match="need the block size"):
         CompressedTensorsScheme().unpack({**tensors, "weight_scale_inv": torch.ones(3, 7)},
                                          n, k)
+
+
+def _fp8_kernels() -> tuple[object, list[str]]:
+    ops, _ = quantized_kernels()
+    runs = Float8Weight.kernels_run(ops, torch.bfloat16)
+    return ops, ["torch", *(["dot", "panels"] if runs else [])]
+
+
+def test_fp8_kernel_dequantizes_every_e4m3_value_exactly():
+    """Every e4m3 byte (signs, subnormals, 448; not NaN) times a scale, through each kernel
+    this machine runs: x = the identity gives W.T, which must equal float(b) * scale rounded
+    to bfloat16 (the conversion is exact and rounds once)."""
+    values = torch.arange(256, dtype=torch.int32)
+    values[(values & 0x7F) == 0x7F] = 0  # NaN
+    n, k = 64, 256
+    data = torch.stack([values.roll(r) for r in range(n)]).to(torch.uint8)
+    weight = data.view(torch.float8_e4m3fn)
+    scales = torch.rand(n, 2, generator=torch.Generator().manual_seed(0)) * 4 + 2 ** -10
+    groups = Float8Groups(weight, scales, 128)
+    kept = groups.to_weight("fp8 e4m3 g128", "test")
+    assert kept is not None
+    expected = groups.dequantize().bfloat16()
+    assert torch.equal(kept.dequantize(torch.bfloat16), expected)
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    ops, kernels = _fp8_kernels()
+    for kernel in kernels:
+        out = torch.empty(k, n, dtype=torch.bfloat16)
+        kept.matmul_into(out, eye, None, ops, kernel=kernel)
+        assert torch.equal(out.T, expected), kernel
+
+
+FP8_CASES = {  # name -> (n, k, scales of shape, block)
+    "tensor": (96, 640, "tensor", None),
+    "channel-tail": (64, 200, "channel", None),  # rows of 200: a short last 32 columns
+    "block-partial": (160, 300, "block", (128, 128)),  # the last blocks partial
+}
+
+
+@pytest.mark.parametrize("rows", [1, 5, 17, 600])
+@pytest.mark.parametrize("case", list(FP8_CASES))
+def test_fp8_kernels_match_dequantized_reference(case, rows):
+    """Each FP8 kernel this machine runs, forced, against x @ W.T in float32 on the
+    dequantized weight, with a bias, into a column slice of a wider output."""
+    n, k, kind, block = FP8_CASES[case]
+    gen = torch.Generator().manual_seed(2)
+    weight = (torch.randn(n, k, generator=gen) * 3).to(torch.float8_e4m3fn)
+    scale = {"tensor": torch.tensor(0.02), "channel": torch.rand(n, 1, generator=gen) * 0.05,
+             "block": torch.rand(-(-n // 128), -(-k // 128), generator=gen) * 0.05}[kind]
+    groups = Float8Groups.of(weight, scale, block)
+    kept = groups.to_weight(groups.qtype(), "test")
+    assert kept is not None
+    reference = groups.dequantize()
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    expected = x.float() @ reference.T + bias.float()
+    ops, kernels = _fp8_kernels()
+    for kernel in kernels:
+        wide = torch.zeros(rows, n + 32, dtype=torch.bfloat16)
+        kept.matmul_into(wide[:, 16:16 + n], x, bias, ops, kernel=kernel)
+        error = (wide[:, 16:16 + n].float() - expected).norm() / expected.norm()
+        assert error < 0.004, (kernel, error)
+        assert not wide[:, :16].any() and not wide[:, 16 + n:].any()
+
+
+def write_fp8_checkpoint(root: Path, tokenizer_dir: Path) -> tuple[Path, Path]:
+    """A ``quant_method: fp8`` folder of a tiny random Llama, as DeepSeek's and Qwen's FP8
+    checkpoints are (e4m3 weights, a ``weight_scale_inv`` per block of 128 x 128), and a
+    float32 folder of the same model with the dequantized weights (the reference)."""
+    from transformers import AutoTokenizer
+
+    model = _tiny_llama(tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    quantized, reference = root / "quantized", root / "reference"
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, w in list(state.items()):
+        if not (name.endswith(".weight") and name.removesuffix(".weight").endswith(LINEARS)):
+            tensors[name] = w
+            continue
+        n, k = w.shape
+        blocks = w.reshape(n // 128, 128, k // 128, 128)
+        scale = blocks.abs().amax(dim=(1, 3)) / 448  # [n / 128, k / 128]
+        full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        q = (w / full).to(torch.float8_e4m3fn)
+        state[name] = q.float() * full
+        tensors[name], tensors[name.replace(".weight", ".weight_scale_inv")] = q, scale
+    model.load_state_dict(state)
+    model.save_pretrained(reference)
+    tokenizer.save_pretrained(reference)
+    model.config.save_pretrained(quantized)
+    tokenizer.save_pretrained(quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    (quantized / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(quantized / "model.safetensors"))
+    return quantized, reference
+
+
+def test_fp8_block_checkpoint_matches_transformers(tmp_path, tokenizer_dir):
+    quantized, reference = write_fp8_checkpoint(tmp_path, tokenizer_dir)
+    _check_end_to_end(quantized, hf_greedy(reference, PROMPTS, 16), "FP8", Float8Weight)

@@ -27,6 +27,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemm_bf16", &cpullm::quant_gemm_bf16,
         "x @ w.T with w kept quantized, dequantized 32 rows at a time into the bf16 GEMM");
 #endif
+#if defined(__AVX512BW__) && defined(__AVX512BF16__)
+  m.def("fp8_gemm_bf16", &cpullm::fp8_gemm_bf16,
+        "x @ w.T with w kept in FP8 (e4m3), dequantized 32 rows at a time into the bf16 GEMM");
+#endif
   m.def("rotary_embedding", &cpullm::rotary_embedding, "rotate-half rotary embedding, in place");
 #if defined(__AVX512F__)
   m.def("sample_from_logits", &cpullm::sample_from_logits, "one inverse-CDF draw per row of logits");

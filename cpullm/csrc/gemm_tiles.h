@@ -6,6 +6,7 @@
 
 #include <array>
 #include <utility>
+#include <vector>
 
 namespace cpullm {
 
@@ -60,6 +61,34 @@ using GemmTiles = std::array<GemmTile, kGemmRows>;
 template <bool PREFETCH, bool SILU_MUL, int... MR>
 constexpr GemmTiles gemm_tiles(std::integer_sequence<int, MR...>) {
   return GemmTiles{&gemm_tile<MR + 1, PREFETCH, SILU_MUL>...};
+}
+
+// out [m, n] = x [m, k] @ W.T (+ bias) for a W that is never held in bfloat16 whole:
+// dequantize(p, panel) writes rows [32 p, 32 p + 32) of W into a bfloat16 panel
+// [k / 2][32][2] (the packed GEMM's layout). Each thread dequantizes its panels one at a
+// time and runs every row of x over each: x comes from L3 (or L2, up to a few hundred
+// rows), the panel from L1/L2.
+template <typename Dequantize>
+void gemm_on_panels(at::Tensor& out, const at::Tensor& x, int64_t n,
+                    const c10::optional<at::Tensor>& bias, Dequantize&& dequantize) {
+  static const GemmTiles tiles = gemm_tiles<false, false>(std::make_integer_sequence<int, kGemmRows>{});
+  const int64_t m = x.size(0), k = x.size(1);
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  const int64_t ldx = x.stride(0), ldo = out.stride(0);
+  at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> panel(16 * k);  // [k / 2][32] pairs
+    auto* pp = reinterpret_cast<const c10::BFloat16*>(panel.data());
+    for (int64_t p = begin; p < end; ++p) {
+      dequantize(p, panel.data());
+      for (int64_t r = 0; r < m; r += kGemmRows) {
+        const int64_t rows = std::min<int64_t>(kGemmRows, m - r);
+        tiles[rows - 1](xp + r * ldx, ldx, pp, k / 2, bp != nullptr ? bp + 32 * p : nullptr,
+                        op + r * ldo + 32 * p, ldo, nullptr);
+      }
+    }
+  });
 }
 
 #endif

@@ -1,5 +1,5 @@
 // The kernels cpullm's Python side calls (bound in bindings.cpp), one file per family:
-// attention.cpp, gemm.cpp, quant_gemm.cpp, pointwise.cpp (rotary, RMSNorm, SiLU-mul),
+// attention.cpp, gemm.cpp, quant_gemm.cpp, fp8_gemm.cpp, pointwise.cpp (rotary, RMSNorm, SiLU-mul),
 // sampling.cpp, threads.cpp. Kernels that need an instruction set exist only where it is
 // compiled in.
 #pragma once
@@ -49,6 +49,12 @@ void quant_gemm_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> da
 void quant_gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                      c10::optional<at::Tensor> mins, int64_t bits, int64_t block, int64_t zero,
                      c10::optional<at::Tensor> bias);
+#endif
+
+// fp8_gemm.cpp: x @ W.T with W kept in FP8 (e4m3 bytes, a float32 scale per row and block)
+#if defined(__AVX512BW__) && defined(__AVX512BF16__)
+void fp8_gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
+                   int64_t block, c10::optional<at::Tensor> bias, bool dot);
 #endif
 
 // sampling.cpp

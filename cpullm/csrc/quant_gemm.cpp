@@ -531,31 +531,6 @@ inline __m512i step_u(const uint8_t* row, const Group& g, int j) {
   return lanes == 16 ? load_step<true>(p, bytes) : load_step<false>(p, bytes);
 }
 
-// In place: v[i] lane j <- v[j] lane i (a 16 x 16 transpose of 32-bit values).
-inline void transpose16(__m512i* v) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  // now v[4a + b] holds, per 128-bit lane q, element (row 4q' + ...) -- finish across lanes
-  for (int i = 0; i < 16; i += 8)
-    for (int b = 0; b < 4; ++b) {
-      t[i + b] = _mm512_shuffle_i32x4(v[i + b], v[i + 4 + b], 0x88);
-      t[i + 4 + b] = _mm512_shuffle_i32x4(v[i + b], v[i + 4 + b], 0xDD);
-    }
-  for (int b = 0; b < 8; ++b) {
-    v[b] = _mm512_shuffle_i32x4(t[b], t[8 + b], 0x88);
-    v[8 + b] = _mm512_shuffle_i32x4(t[b], t[8 + b], 0xDD);
-  }
-}
-
 // Rows [0, 32) at data into a bfloat16 panel [k / 2][32][2] (dword [kk][c] = the pair
 // (2kk, 2kk + 1) of row c). Per step, 16 rows' 32 pairs are transposed in registers, so
 // that each pair's 16 rows go out as one 64-byte store.
@@ -648,24 +623,8 @@ void quant_gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor s
                  mins.has_value() ? mins->data_ptr() : nullptr, k / block, static_cast<float>(zero)};
   const Dequantize dequantize = bits == 4 ? pick_dequantize<4>(half, mins.has_value())
                                           : pick_dequantize<8>(half, mins.has_value());
-  static const GemmTiles tiles = gemm_tiles<false, false>(std::make_integer_sequence<int, kGemmRows>{});
-  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-  const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const int64_t ldx = x.stride(0), ldo = out.stride(0);
-  // Each thread dequantizes its panels one at a time and runs every row of x over each:
-  // x comes from L3 (or L2, up to a few hundred rows), the panel from L1/L2.
-  at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> panel(16 * k);  // [k / 2][32] pairs
-    auto* pp = reinterpret_cast<const c10::BFloat16*>(panel.data());
-    for (int64_t p = begin; p < end; ++p) {
-      dequantize(w, 32 * p, groups, static_cast<int>(block), panel.data());
-      for (int64_t r = 0; r < m; r += kGemmRows) {
-        const int64_t rows = std::min<int64_t>(kGemmRows, m - r);
-        tiles[rows - 1](xp + r * ldx, ldx, pp, k / 2, bp != nullptr ? bp + 32 * p : nullptr,
-                        op + r * ldo + 32 * p, ldo, nullptr);
-      }
-    }
+  gemm_on_panels(out, x, n, bias, [&](int64_t p, int32_t* panel) {
+    dequantize(w, 32 * p, groups, static_cast<int>(block), panel);
   });
 }
 #endif

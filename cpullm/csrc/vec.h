@@ -149,6 +149,33 @@ inline void softmax(float* row, int64_t n,
 }
 #endif
 
+#if defined(__AVX512F__)
+// In place: v[i] lane j <- v[j] lane i (a 16 x 16 transpose of 32-bit values).
+inline void transpose16(__m512i* v) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // now v[4a + b] holds, per 128-bit lane q, element (row 4q' + ...) -- finish across lanes
+  for (int i = 0; i < 16; i += 8)
+    for (int b = 0; b < 4; ++b) {
+      t[i + b] = _mm512_shuffle_i32x4(v[i + b], v[i + 4 + b], 0x88);
+      t[i + 4 + b] = _mm512_shuffle_i32x4(v[i + b], v[i + 4 + b], 0xDD);
+    }
+  for (int b = 0; b < 8; ++b) {
+    v[b] = _mm512_shuffle_i32x4(t[b], t[8 + b], 0x88);
+    v[8 + b] = _mm512_shuffle_i32x4(t[b], t[8 + b], 0xDD);
+  }
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // 16 float32 -> 16 bfloat16, rounded to nearest even, as torch does.
 inline void bf16x16_store(c10::BFloat16* p, __m512 v) {

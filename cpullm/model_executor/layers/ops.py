@@ -64,8 +64,8 @@ _AVX512 = IsaLevel(
 _AVX512_BF16 = IsaLevel("avx512_bf16", _AVX512.cflags + ("-mavx512bf16",),
                         _AVX512.needs | {"avx512_bf16"})
 ISA_LEVELS = (_AVX2, _AVX512, _AVX512_BF16)  # lowest first
-_SOURCES = ("attention.cpp", "gemm.cpp", "quant_gemm.cpp", "pointwise.cpp", "sampling.cpp",
-            "threads.cpp", "bindings.cpp")
+_SOURCES = ("attention.cpp", "gemm.cpp", "quant_gemm.cpp", "fp8_gemm.cpp", "pointwise.cpp",
+            "sampling.cpp", "threads.cpp", "bindings.cpp")
 _HEADERS = ("gemm_tiles.h", "ops.h", "vec.h")
 
 Kernel = Callable[..., Any]
@@ -86,6 +86,7 @@ class KernelTable:
     quant_gemm: Kernel | None  # AVX-512 VNNI
     quant_gemm_grouped: Kernel | None
     quant_gemm_bf16: Kernel | None  # AVX-512 VNNI and BF16
+    fp8_gemm_bf16: Kernel | None  # AVX-512 BF16
     sample_from_logits: Kernel | None  # AVX-512
     module: ModuleType = field(repr=False, compare=False)  # the extension itself
 

@@ -170,7 +170,7 @@ class _KeptExperts:
                 return None  # (dense layers have no segments)
             weights = [layer.segments[0].quantized for layer in layers]
             first = weights[0]
-            if any(w.fmt != first.fmt or w.data.shape != first.data.shape
+            if any(not w.runs_grouped or w.fmt != first.fmt or w.data.shape != first.data.shape
                    or w.scales.dtype != first.scales.dtype
                    or not w.kernels_run(ops, layers[0].compute_dtype) for w in weights):
                 return None

@@ -12,8 +12,8 @@ one per tensor) and, when asymmetric, ``weight_zero_point``:
   activations of W8A8 are quantized to int8 by the kernels themselves, per block of x
   (finer than the checkpoint's per-token or per-tensor ``input_scale``, which is read and
   not needed).
-- ``float-quantized`` (FP8 weights, e4m3): ``weight`` float8 [n, k]; no CPU computes in FP8,
-  and the weight is dequantized once at load to the compute dtype.
+- ``float-quantized`` (FP8 weights, e4m3): ``weight`` float8 [n, k], kept as its bytes with
+  a float32 scale per row and block (quantization/fp8.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from cpullm.model_executor.layers.quantization.fp8 import FLOAT8, Float8Groups
 from cpullm.model_executor.layers.quantization.int_groups import (
     CheckpointScheme,
     GroupQuantConfig,
@@ -31,7 +32,6 @@ from cpullm.model_executor.layers.quantization.int_groups import (
 
 INT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
 FORMATS = (*INT_FORMATS, "float-quantized", "dense")
-_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _per_row(scale: torch.Tensor, rows: int) -> torch.Tensor:
@@ -42,58 +42,32 @@ def _per_row(scale: torch.Tensor, rows: int) -> torch.Tensor:
     return scale.reshape(rows, -1)
 
 
-def _block_scaled(weight: torch.Tensor, scale: torch.Tensor,
-                  block: tuple[int, int] | None) -> torch.Tensor:
-    """A float8 weight [n, k] times its scales: per tensor, per row, or per block of
-    ``block`` = (rows, columns) (FP8 block quantization: scales [ceil(n / bn), ceil(k / bk)],
-    the last blocks partial), in float32."""
-    n, k = weight.shape
-    w = weight.float()
-    scale = scale.float()
-    if scale.numel() == 1 or scale.shape in ((n,), (n, 1)):
-        return w * scale.reshape(-1, 1)
-    if scale.dim() != 2:
-        raise ValueError(f"weight scales of shape {tuple(scale.shape)} do not fit [{n}, {k}]")
-    if block is None:  # not in the config: FP8's usual 128 x 128, or blocks that divide
-        if scale.shape == (-(-n // 128), -(-k // 128)):
-            block = (128, 128)
-        elif n % scale.shape[0] == 0 and k % scale.shape[1] == 0:
-            block = (n // scale.shape[0], k // scale.shape[1])
-        else:
-            raise ValueError(f"weight scales {tuple(scale.shape)} for a [{n}, {k}] weight need "
-                             "the block size (weight_block_size)")
-    bn, bk = block
-    if scale.shape != (-(-n // bn), -(-k // bk)):
-        raise ValueError(f"weight scales {tuple(scale.shape)} do not fit a [{n}, {k}] weight in "
-                         f"blocks of {bn} x {bk}")
-    full = scale.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
-    return w * full
-
-
 class CompressedTensorsScheme(CheckpointScheme):
-    """``block``: FP8's weight block (rows, columns), where the config gives one."""
+    """``block``: FP8's weight block (rows, columns), where the config gives one;
+    ``origin``: the format's name in the logs."""
 
     origin = "compressed-tensors"
     tensors = {"weight_packed": True, "weight_scale": False, "weight_zero_point": True,
                "weight_shape": True, "weight_g_idx": True, "weight_scale_inv": False,
                "input_scale": False, "input_zero_point": True}
 
-    def __init__(self, block: tuple[int, int] | None = None) -> None:
-        self.block = block
+    def __init__(self, block: tuple[int, int] | None = None,
+                 origin: str = "compressed-tensors") -> None:
+        self.block, self.origin = block, origin
 
     def is_quantized(self, tensors: dict[str, torch.Tensor]) -> bool:
         weight = tensors.get("weight")
         return "weight_packed" in tensors or (weight is not None and (
-            not weight.is_floating_point() or weight.dtype in _FLOAT8))
+            not weight.is_floating_point() or weight.dtype in FLOAT8))
 
     def unpack(self, tensors: dict[str, torch.Tensor], rows: int, k: int
-               ) -> IntGroups | torch.Tensor:
+               ) -> IntGroups | Float8Groups:
         scale = tensors.get("weight_scale", tensors.get("weight_scale_inv"))
         if scale is None:
             raise ValueError("a quantized weight without weight_scale")
         weight = tensors.get("weight")
-        if weight is not None and weight.dtype in _FLOAT8:
-            return _block_scaled(weight, scale, self.block)
+        if weight is not None and weight.dtype in FLOAT8:
+            return Float8Groups.of(weight, scale, self.block)
         scales = _per_row(scale, rows)
         zero = tensors.get("weight_zero_point")
         if "weight_packed" in tensors:
@@ -169,7 +143,7 @@ class CompressedTensorsConfig(GroupQuantConfig):
 
 class FP8Config(GroupQuantConfig):
     """``quant_method: fp8`` (float8 e4m3 weights with a per-tensor scale, or with
-    ``weight_block_size`` a ``weight_scale_inv`` per block), dequantized once at load."""
+    ``weight_block_size`` a ``weight_scale_inv`` per block), kept in FP8."""
 
     name = "fp8"
 
@@ -178,4 +152,4 @@ class FP8Config(GroupQuantConfig):
         if fmt != "e4m3":
             raise ValueError(f"quantization: FP8 format {fmt!r} is not supported (e4m3)")
         block = config.get("weight_block_size")
-        self.scheme = CompressedTensorsScheme(tuple(block) if block else None)
+        self.scheme = CompressedTensorsScheme(tuple(block) if block else None, origin="FP8")

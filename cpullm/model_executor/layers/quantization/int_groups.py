@@ -40,6 +40,7 @@ from cpullm.model_executor.layers.quantization.kept import (
 
 if TYPE_CHECKING:
     from cpullm.model_executor.layers.linear import LinearBase
+    from cpullm.model_executor.layers.quantization.fp8 import Float8Groups
 
 KERNEL_BLOCKS = (128, 64, 32, 16)  # the block sizes the kernels run, largest first
 _FLOAT16_TINY = 2.0 ** -14  # float16's smallest normal number
@@ -137,6 +138,10 @@ class IntGroups:
         restored[:, self.perm] = w
         return restored
 
+    @staticmethod
+    def kernels_run(ops: KernelTable | None, dtype: torch.dtype) -> bool:
+        return QuantizedWeight.kernels_run(ops, dtype)
+
     def block(self) -> int | None:
         """The kernels' block for these groups: the largest that divides the group."""
         k = self.q.shape[1]
@@ -179,11 +184,12 @@ class CheckpointScheme(ABC):
 
     @abstractmethod
     def unpack(self, tensors: dict[str, torch.Tensor], rows: int, k: int
-               ) -> IntGroups | torch.Tensor:
-        """A quantized shard [rows, k] as integer groups (or, for float formats the kernels
-        do not keep, as a float32 weight)."""
+               ) -> IntGroups | Float8Groups:
+        """A quantized shard [rows, k] as integer groups (or FP8 bytes with their scales)."""
 
-    def qtype(self, groups: IntGroups) -> str:
+    def qtype(self, groups: IntGroups | Float8Groups) -> str:
+        if not isinstance(groups, IntGroups):
+            return groups.qtype()
         size = "channel" if groups.group_size == groups.q.shape[1] else f"g{groups.group_size}"
         return f"int{groups.bits} {size}"
 
@@ -218,7 +224,6 @@ class GroupedLinearMethod(KeptLinearMethod):
         super().create_weights(layer, bias, dtype)
 
     def process_weights_after_loading(self, layer: LinearBase, ops: KernelTable | None) -> None:
-        kept = QuantizedWeight.kernels_run(ops, layer.compute_dtype)
         expected = {None} if None in layer.pending else set(layer.shard_ids)
         if set(layer.pending) != expected:
             missing = sorted(map(str, expected - set(layer.pending)))
@@ -230,7 +235,7 @@ class GroupedLinearMethod(KeptLinearMethod):
                     raise ValueError(f"shard {shard_id!r} has neither a float weight nor the "
                                      f"tensors of {self.scheme.origin} "
                                      f"(it has {sorted(tensors)})")
-                loaded: IntGroups | torch.Tensor = weight
+                loaded: IntGroups | Float8Groups | torch.Tensor = weight
             else:
                 try:  # the whole checkpoint tensor, then this rank's part of it
                     loaded = self.scheme.unpack(tensors, *layer.checkpoint_shape(shard_id))
@@ -242,7 +247,7 @@ class GroupedLinearMethod(KeptLinearMethod):
                     layer.shards[start] = Shard(end, part.to(layer.compute_dtype).contiguous())
                     continue
                 weight = part.to_weight(self.scheme.qtype(part), self.scheme.origin) \
-                    if kept else None
+                    if part.kernels_run(ops, layer.compute_dtype) else None
                 if weight is None:
                     layer.shards[start] = Shard(end, part.dequantize().to(layer.compute_dtype))
                 else:

@@ -43,6 +43,8 @@ class QuantizedWeight(nn.Module):
     """A weight [n, k] in one ``BlockFormat``: ``data`` [n, k * bits / 8] (uint8),
     ``scales`` and ``mins`` [n, k / block] (mins absent for a format with a zero point)."""
 
+    runs_grouped = True  # several such weights of one layout in one quant_gemm_grouped call
+
     def __init__(self, fmt: BlockFormat, data: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor | None, k: int, qtype: str, origin: str = "GGUF") -> None:
         super().__init__()
@@ -60,15 +62,15 @@ class QuantizedWeight(nn.Module):
                    None if split.mins is None else torch.from_numpy(split.mins),
                    split.u.shape[1], qtype, origin)
 
-    @classmethod
-    def cat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
-        """Rows of several weights of one format, stacked."""
+    @staticmethod
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Rows of several weights of one format (and class), stacked."""
         first = parts[0]
         assert all(p.fmt == first.fmt and p.k == first.k for p in parts)
         if len(parts) == 1:
             return first
         mins = None if first.mins is None else torch.cat([p.mins for p in parts])
-        return cls(first.fmt, torch.cat([p.data for p in parts]),
+        return type(first)(first.fmt, torch.cat([p.data for p in parts]),
                    torch.cat([p.scales for p in parts]), mins, first.k,
                    "+".join(dict.fromkeys(p.qtype for p in parts)), first.origin)
 
@@ -216,13 +218,15 @@ class KeptLinearMethod(LinearMethod):
         return start, end
 
     def process_weights_after_loading(self, layer: LinearBase, ops: KernelTable | None) -> None:
-        if not QuantizedWeight.kernels_run(ops, layer.compute_dtype):
-            # No quantized kernel for this CPU or compute dtype (AVX2, Arm, float32, float16,
-            # --enforce-eager): the weights are dequantized once, here, to run as dense
-            # weights, as fast as a checkpoint in that dtype (dequantizing at every matmul
-            # would be many times slower); docs/quantization.md states the memory it costs.
-            layer.shards = {start: Shard(shard.end, self.dense_weight(shard, layer.compute_dtype))
-                            for start, shard in layer.shards.items()}
+        # A shard with no quantized kernel for this CPU or compute dtype (AVX2, Arm, float32,
+        # float16, --enforce-eager) is dequantized once, here, to run as a dense weight, as
+        # fast as a checkpoint in that dtype (dequantizing at every matmul would be many
+        # times slower); docs/quantization.md states the memory it costs.
+        layer.shards = {
+            start: shard if not isinstance(shard.weight, QuantizedWeight)
+            or shard.weight.kernels_run(ops, layer.compute_dtype)
+            else Shard(shard.end, self.dense_weight(shard, layer.compute_dtype))
+            for start, shard in layer.shards.items()}
         # Consecutive shards of one kind (one block format and column order, or float)
         # make one segment.
         segments: list[_Segment] = []
