@@ -12,6 +12,7 @@ them.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -184,9 +185,12 @@ def _tiny_llama(tokenizer_dir: Path, config_class: str = "LlamaConfig",
 def write_checkpoint(root: Path, tokenizer_dir: Path, method: str, bits: int, group: int,
                      symmetric: bool, act_order: bool, v2: bool = False,
                      not_converted: tuple[str, ...] = (),
-                     model: torch.nn.Module | None = None) -> tuple[Path, Path]:
+                     model: torch.nn.Module | None = None,
+                     dynamic: dict[str, dict] | None = None) -> tuple[Path, Path]:
     """An AWQ or GPTQ folder of a tiny random Llama (or ``model``), and a float32 folder of
-    the same model with the dequantized weights (the reference)."""
+    the same model with the dequantized weights (the reference). ``dynamic``: GPTQModel's
+    per-module overrides, applied as it applies them (the first pattern that matches a
+    module's name; "-:" leaves it in floats)."""
     from transformers import AutoTokenizer
 
     model = model or _tiny_llama(tokenizer_dir)
@@ -195,12 +199,20 @@ def write_checkpoint(root: Path, tokenizer_dir: Path, method: str, bits: int, gr
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     tensors: dict[str, torch.Tensor] = {}
     gen = torch.Generator().manual_seed(1)
+    base_bits, base_group = bits, group
     for name in list(state):
         module = name.removesuffix(".weight")
         if not name.endswith(".weight") or not module.endswith(LINEARS) or \
                 module.endswith(not_converted):
             tensors[name] = state[name]
             continue
+        override = next(((p, o) for p, o in (dynamic or {}).items()
+                         if re.match(p.removeprefix("-:").removeprefix("+:"), module)), None)
+        if override is not None and override[0].startswith("-:"):
+            tensors[name] = state[name]
+            continue
+        fields = {} if override is None else override[1]
+        bits, group = fields.get("bits", base_bits), fields.get("group_size", base_group)
         w = state[name]
         n, k = w.shape
         size = k if group == -1 else group
@@ -221,9 +233,9 @@ def write_checkpoint(root: Path, tokenizer_dir: Path, method: str, bits: int, gr
     model.config.save_pretrained(quantized)
     tokenizer.save_pretrained(quantized)
     if method == "gptq":
-        qconfig = {"quant_method": "gptq", "bits": bits, "group_size": group,
+        qconfig = {"quant_method": "gptq", "bits": base_bits, "group_size": base_group,
                    "desc_act": act_order, "sym": symmetric,
-                   "checkpoint_format": "gptq_v2" if v2 else "gptq"}
+                   "checkpoint_format": "gptq_v2" if v2 else "gptq", "dynamic": dynamic}
     else:
         qconfig = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
                    "version": "gemm", "modules_to_not_convert": list(not_converted) or None}
@@ -290,6 +302,30 @@ def test_gptq_checkpoint_matches_transformers(case, tmp_path, tokenizer_dir):
     quantized, reference = write_checkpoint(tmp_path, tokenizer_dir, "gptq", bits, group,
                                             symmetric, act_order, v2)
     _check_end_to_end(quantized, hf_greedy(reference, PROMPTS, 16), "GPTQ")
+
+
+def test_gptq_dynamic_overrides_match_transformers(tmp_path, tokenizer_dir):
+    """GPTQModel's ``dynamic``: v_proj in 8 bits with groups of 64, layer 0's down_proj left
+    in floats, the rest 4-bit groups of 128; each layer's bits and group size are read from
+    its tensors."""
+    dynamic = {r"+:.*\.self_attn\.v_proj": {"bits": 8, "group_size": 64},
+               r"-:model\.layers\.0\.mlp\.down_proj": {}}
+    quantized, reference = write_checkpoint(tmp_path, tokenizer_dir, "gptq", 4, 128, False,
+                                            False, dynamic=dynamic)
+    _check_end_to_end(quantized, hf_greedy(reference, PROMPTS, 16), "GPTQ")
+    from cpullm.model_executor.layers.linear import LinearBase
+
+    model, _ = _generate(str(quantized), "bfloat16", max_tokens=1)
+    ops, kernels = quantized_kernels()
+    if not QuantizedWeight.kernels_run(ops, torch.bfloat16):
+        return
+    layers = model.model.layers
+    qkv = layers[1].self_attn.qkv_proj.segments
+    assert [s.quantized.fmt.bits for s in qkv] == [4, 8]  # q and k; v
+    assert qkv[1].quantized.fmt.block == 64
+    down = layers[0].mlp.down_proj
+    assert isinstance(down, LinearBase) and down.segments[0].quantized is None
+    assert layers[1].mlp.down_proj.segments[0].quantized.fmt.bits == 4
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])
@@ -400,6 +436,8 @@ def _with_quantization_config(folder: Path, qconfig: dict) -> Path:
 @pytest.mark.parametrize("qconfig, message", [
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "GPTQ with 3-bit weights"),
     ({"quant_method": "gptq", "bits": 4, "lm_head": True}, "quantized lm_head"),
+    ({"quant_method": "gptq", "bits": 4, "dynamic": {r".*v_proj": {"bits": 2}}},
+     "GPTQ with 2-bit weights (dynamic override"),
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ version 'gemv'"),
     ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"},
      "format 'nvfp4-pack-quantized'"),

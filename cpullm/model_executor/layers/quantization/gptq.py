@@ -23,11 +23,16 @@ from cpullm.model_executor.layers.quantization.int_groups import (
 
 
 class GPTQScheme(CheckpointScheme):
+    """Each layer's bits and group size are read from its tensors (``qweight`` holds
+    32 / bits values a word, ``scales`` a row per group), so that GPTQModel's per-module
+    overrides (``dynamic``) need no name matching; ``act_order``: whether any layer was
+    quantized in act order (its ``g_idx`` then sorts the columns)."""
+
     origin = "GPTQ"
     tensors = {"qweight": True, "qzeros": True, "scales": False, "g_idx": True}
 
-    def __init__(self, bits: int, group_size: int, desc_act: bool, zero_offset: int) -> None:
-        self.bits, self.group_size, self.desc_act = bits, group_size, desc_act
+    def __init__(self, act_order: bool, zero_offset: int) -> None:
+        self.act_order = act_order
         self.zero_offset = zero_offset  # added to each stored zero point
 
     def is_quantized(self, tensors: dict[str, torch.Tensor]) -> bool:
@@ -37,32 +42,50 @@ class GPTQScheme(CheckpointScheme):
         missing = {"qweight", "qzeros", "scales"} - set(tensors)
         if missing:
             raise ValueError(f"GPTQ tensors missing: {sorted(missing)}")
-        q = unpack_int32(tensors["qweight"], self.bits, dim=0).T  # [n, k]
-        zeros = unpack_int32(tensors["qzeros"], self.bits, dim=1).T + self.zero_offset
-        scales = tensors["scales"].T  # [n, groups]
-        group_size = k if self.group_size == -1 else self.group_size
-        g_idx = tensors.get("g_idx") if self.desc_act else None
+        qweight, scales = tensors["qweight"], tensors["scales"].T  # scales [n, groups]
+        bits = qweight.shape[0] * 32 // k
+        if bits not in (4, 8) or qweight.shape[0] * 32 != bits * k:
+            raise ValueError(f"qweight {tuple(qweight.shape)} does not hold 4- or 8-bit "
+                             f"values of a row of {k}")
+        if k % scales.shape[1]:
+            raise ValueError(f"{scales.shape[1]} scale groups do not divide a row of {k}")
+        q = unpack_int32(qweight, bits, dim=0).T  # [n, k]
+        zeros = unpack_int32(tensors["qzeros"], bits, dim=1).T + self.zero_offset
+        g_idx = tensors.get("g_idx") if self.act_order else None
         return IntGroups.with_group_index(q.contiguous(), scales.contiguous(),
-                                          zeros.contiguous(), self.bits, group_size, g_idx)
+                                          zeros[:rows].contiguous(), bits,
+                                          k // scales.shape[1], g_idx)
+
+
+def _check_bits(bits: object, where: str) -> None:
+    if bits not in (4, 8):
+        raise ValueError(f"quantization: GPTQ with {bits}-bit weights{where} is not supported "
+                         "(4 or 8 bits)")
 
 
 class GPTQConfig(GroupQuantConfig):
+    """``dynamic`` (GPTQModel): per-module overrides, regular expressions of module names
+    ("-:" for modules left in floats, else "+:" or none) to ``bits``, ``group_size``,
+    ``sym`` and ``desc_act``; each layer's tensors say which applied to it."""
+
     name = "gptq"
 
     def __init__(self, config: dict[str, Any]) -> None:
-        bits = config.get("bits", 4)
-        if bits not in (4, 8):
-            raise ValueError(f"quantization: GPTQ with {bits}-bit weights is not supported "
-                             "(4 or 8 bits)")
+        _check_bits(config.get("bits", 4), "")
         if config.get("lm_head"):
             raise ValueError("quantization: GPTQ with a quantized lm_head is not supported")
-        if config.get("dynamic"):
-            raise ValueError("quantization: GPTQ with per-module overrides (dynamic) is not "
-                             "supported")
-        group_size = int(config.get("group_size", 128))
+        act_order = bool(config.get("desc_act", False))
+        for pattern, override in (config.get("dynamic") or {}).items():
+            if str(pattern).startswith("-:"):
+                continue
+            if not isinstance(override, dict):
+                raise ValueError(f"quantization: GPTQ dynamic override {pattern!r}: a dict of "
+                                 f"fields expected, not {override!r}")
+            if "bits" in override:
+                _check_bits(override["bits"], f" (dynamic override {pattern!r})")
+            act_order = act_order or bool(override.get("desc_act", False))
         fmt = config.get("checkpoint_format") or config.get("format") or "gptq"
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"quantization: GPTQ checkpoint format {fmt!r} is not supported "
                              "(gptq or gptq_v2)")
-        self.scheme = GPTQScheme(bits, group_size, bool(config.get("desc_act", False)),
-                                 1 if fmt == "gptq" else 0)
+        self.scheme = GPTQScheme(act_order, 1 if fmt == "gptq" else 0)
