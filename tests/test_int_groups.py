@@ -186,11 +186,12 @@ def write_checkpoint(root: Path, tokenizer_dir: Path, method: str, bits: int, gr
                      symmetric: bool, act_order: bool, v2: bool = False,
                      not_converted: tuple[str, ...] = (),
                      model: torch.nn.Module | None = None,
-                     dynamic: dict[str, dict] | None = None) -> tuple[Path, Path]:
+                     dynamic: dict[str, dict] | None = None,
+                     lm_head: bool = False) -> tuple[Path, Path]:
     """An AWQ or GPTQ folder of a tiny random Llama (or ``model``), and a float32 folder of
     the same model with the dequantized weights (the reference). ``dynamic``: GPTQModel's
     per-module overrides, applied as it applies them (the first pattern that matches a
-    module's name; "-:" leaves it in floats)."""
+    module's name; "-:" leaves it in floats). ``lm_head``: GPTQ's LM head quantized too."""
     from transformers import AutoTokenizer
 
     model = model or _tiny_llama(tokenizer_dir)
@@ -202,8 +203,8 @@ def write_checkpoint(root: Path, tokenizer_dir: Path, method: str, bits: int, gr
     base_bits, base_group = bits, group
     for name in list(state):
         module = name.removesuffix(".weight")
-        if not name.endswith(".weight") or not module.endswith(LINEARS) or \
-                module.endswith(not_converted):
+        linear = module.endswith(LINEARS) or (lm_head and module == "lm_head")
+        if not name.endswith(".weight") or not linear or module.endswith(not_converted):
             tensors[name] = state[name]
             continue
         override = next(((p, o) for p, o in (dynamic or {}).items()
@@ -235,7 +236,8 @@ def write_checkpoint(root: Path, tokenizer_dir: Path, method: str, bits: int, gr
     if method == "gptq":
         qconfig = {"quant_method": "gptq", "bits": base_bits, "group_size": base_group,
                    "desc_act": act_order, "sym": symmetric,
-                   "checkpoint_format": "gptq_v2" if v2 else "gptq", "dynamic": dynamic}
+                   "checkpoint_format": "gptq_v2" if v2 else "gptq", "dynamic": dynamic,
+                   "lm_head": lm_head}
     else:
         qconfig = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
                    "version": "gemm", "modules_to_not_convert": list(not_converted) or None}
@@ -283,7 +285,8 @@ def _check_end_to_end(quantized: Path, expected: list[list[int]], origin: str,
     with safe_open(str(quantized / "model.safetensors"), "pt") as f:
         stored = sum(f.get_tensor(name).numel() * f.get_tensor(name).element_size()
                      for name in f.keys()  # noqa: SIM118 - safe_open is not a dict
-                     if name.rsplit(".", 1)[0].endswith(LINEARS))
+                     if name.rsplit(".", 1)[0].endswith(LINEARS)
+                     or (name.startswith("lm_head.") and name != "lm_head.weight"))
     dense = sum(s.gemm.panels.numel() * 2 for m in model.modules() if isinstance(m, LinearBase)
                 for s in m.segments if s.gemm is not None)
     held = sum(t.numel() * t.element_size() for w in weights
@@ -326,6 +329,19 @@ def test_gptq_dynamic_overrides_match_transformers(tmp_path, tokenizer_dir):
     down = layers[0].mlp.down_proj
     assert isinstance(down, LinearBase) and down.segments[0].quantized is None
     assert layers[1].mlp.down_proj.segments[0].quantized.fmt.bits == 4
+
+
+def test_gptq_quantized_lm_head_matches_transformers(tmp_path, tokenizer_dir):
+    """GPTQ's ``lm_head: true``: the LM head's qweight, qzeros and scales load into the
+    head, kept quantized where the kernels run."""
+    quantized, reference = write_checkpoint(tmp_path, tokenizer_dir, "gptq", 4, 128, True,
+                                            False, lm_head=True)
+    _check_end_to_end(quantized, hf_greedy(reference, PROMPTS, 16), "GPTQ")
+    ops, _ = quantized_kernels()
+    model, _ = _generate(str(quantized), "bfloat16", max_tokens=1)
+    head = model.lm_head
+    assert (head.quantized is not None) == QuantizedWeight.kernels_run(ops, torch.bfloat16)
+    assert not hasattr(head, "qweight")
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])
@@ -435,7 +451,6 @@ def _with_quantization_config(folder: Path, qconfig: dict) -> Path:
 
 @pytest.mark.parametrize("qconfig, message", [
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "GPTQ with 3-bit weights"),
-    ({"quant_method": "gptq", "bits": 4, "lm_head": True}, "quantized lm_head"),
     ({"quant_method": "gptq", "bits": 4, "dynamic": {r".*v_proj": {"bits": 2}}},
      "GPTQ with 2-bit weights (dynamic override"),
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ version 'gemv'"),

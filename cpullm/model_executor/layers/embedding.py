@@ -9,6 +9,7 @@ from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import QuantizationConfig
 from cpullm.model_executor.layers.quantization.dense import PackedGemm
 from cpullm.model_executor.layers.quantization.gguf import RawBlocks
+from cpullm.model_executor.layers.quantization.int_groups import CheckpointScheme
 from cpullm.model_executor.layers.quantization.kept import QuantizedWeight
 from cpullm.utils import cdiv
 
@@ -74,7 +75,9 @@ class VocabEmbedding(nn.Module):
 
 class LMHead(VocabEmbedding):
     """Projects hidden states to vocabulary logits. ``tied``: the embedding table whose
-    weight it shares (quantized or not)."""
+    weight it shares (quantized or not). A checkpoint whose format quantizes the LM head
+    too (GPTQ's ``lm_head``: the config's ``lm_head_scheme``) loads the format's tensors
+    instead of a float weight, kept quantized as the linear layers are."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None,
                  quant_config: QuantizationConfig | None = None) -> None:
@@ -82,14 +85,61 @@ class LMHead(VocabEmbedding):
         self.gemm: PackedGemm | None = None
         self.tied: VocabEmbedding | None = None  # an instance attribute: a submodule once set
         self.ops: KernelTable | None = None
+        self.scheme: CheckpointScheme | None = getattr(quant_config, "lm_head_scheme", None)
+        if self.scheme is not None:
+            self.pending: dict[str, torch.Tensor] = {}
+            for name, integer in {"weight": False, **self.scheme.tensors}.items():
+                param = nn.Parameter(torch.empty(0, dtype=torch.int32 if integer else dtype),
+                                     requires_grad=False)
+                param.weight_loader = lambda p, loaded, shard_id=None, name=name: (  # type: ignore[attr-defined]
+                    self.pending.__setitem__(name, loaded))
+                param.optional = True  # type: ignore[attr-defined]
+                param.takes_integers = True  # type: ignore[attr-defined]
+                setattr(self, name, param)  # (the float weight: filled after loading)
 
     def tie(self, embedding: VocabEmbedding) -> None:
+        if self.scheme is not None:
+            raise ValueError("quantization: a quantized lm_head tied to the embedding table "
+                             "is not supported")
         self.weight = embedding.weight
         self.tied = embedding
+
+    def _load_quantized(self, ops: KernelTable | None) -> None:
+        """The checkpoint's quantized head (or its float weight) into ``quantized`` (or,
+        where the kernels do not run, ``weight``): this rank's rows of the vocabulary."""
+        assert self.scheme is not None
+        tensors, self.pending, dtype = self.pending, {}, self.weight.dtype
+        for name in self.scheme.tensors:
+            delattr(self, name)
+        rows = self.vocab_end - self.vocab_start
+        if not self.scheme.is_quantized(tensors):
+            if "weight" not in tensors:
+                raise ValueError(f"lm_head: neither a weight nor the tensors of "
+                                 f"{self.scheme.origin} (it has {sorted(tensors)})")
+            self.weight.data = torch.empty(rows, self.hidden_size, dtype=dtype)
+            self.weight_loader(self.weight, tensors["weight"])
+            return
+        try:
+            groups = self.scheme.unpack(tensors, self.vocab_size, self.hidden_size)
+        except (ValueError, RuntimeError) as e:
+            raise ValueError(f"lm_head: {e}") from None
+        if groups.shape != (self.vocab_size, self.hidden_size):
+            raise ValueError(f"lm_head: checkpoint {groups.shape}, model "
+                             f"{(self.vocab_size, self.hidden_size)}")
+        groups = groups.narrow(0, self.vocab_start, rows)
+        if groups.perm is not None:
+            raise ValueError("quantization: a quantized lm_head in act order (desc_act) is "
+                             "not supported")
+        if groups.kernels_run(ops, dtype):
+            self.quantized = groups.to_weight(self.scheme.qtype(groups), self.scheme.origin)
+        if self.quantized is None:
+            self.weight.data = groups.dequantize().to(dtype)
 
     def process_weights_after_loading(self, ops: KernelTable | None) -> None:
         """A packed copy for the bfloat16/float16 GEMMs (the weight itself may be shared
         with the embedding table, which needs the plain layout)."""
+        if self.scheme is not None:
+            self._load_quantized(ops)
         super().process_weights_after_loading(ops)  # an untied head's own blocks
         table = self.tied if self.tied is not None else self
         self.ops = ops

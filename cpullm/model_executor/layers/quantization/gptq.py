@@ -72,8 +72,6 @@ class GPTQConfig(GroupQuantConfig):
 
     def __init__(self, config: dict[str, Any]) -> None:
         _check_bits(config.get("bits", 4), "")
-        if config.get("lm_head"):
-            raise ValueError("quantization: GPTQ with a quantized lm_head is not supported")
         act_order = bool(config.get("desc_act", False))
         for pattern, override in (config.get("dynamic") or {}).items():
             if str(pattern).startswith("-:"):
@@ -89,3 +87,5 @@ class GPTQConfig(GroupQuantConfig):
             raise ValueError(f"quantization: GPTQ checkpoint format {fmt!r} is not supported "
                              "(gptq or gptq_v2)")
         self.scheme = GPTQScheme(act_order, 1 if fmt == "gptq" else 0)
+        if config.get("lm_head"):  # the LM head quantized too (layers/embedding.py)
+            self.lm_head_scheme = self.scheme

@@ -198,6 +198,7 @@ class GroupQuantConfig(QuantizationConfig):
     """A checkpoint of one ``CheckpointScheme``: every linear layer gets its method."""
 
     scheme: CheckpointScheme
+    lm_head_scheme: CheckpointScheme | None = None  # where the LM head is quantized too
 
     def linear_method(self, layer: LinearBase) -> LinearMethod:
         return GroupedLinearMethod(self.scheme)
