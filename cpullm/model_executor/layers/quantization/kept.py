@@ -71,8 +71,8 @@ class QuantizedWeight(nn.Module):
             return first
         mins = None if first.mins is None else torch.cat([p.mins for p in parts])
         return type(first)(first.fmt, torch.cat([p.data for p in parts]),
-                   torch.cat([p.scales for p in parts]), mins, first.k,
-                   "+".join(dict.fromkeys(p.qtype for p in parts)), first.origin)
+                           torch.cat([p.scales for p in parts]), mins, first.k,
+                           "+".join(dict.fromkeys(p.qtype for p in parts)), first.origin)
 
     @property
     def n(self) -> int:
