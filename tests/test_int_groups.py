@@ -615,3 +615,44 @@ def write_fp8_checkpoint(root: Path, tokenizer_dir: Path) -> tuple[Path, Path]:
 def test_fp8_block_checkpoint_matches_transformers(tmp_path, tokenizer_dir):
     quantized, reference = write_fp8_checkpoint(tmp_path, tokenizer_dir)
     _check_end_to_end(quantized, hf_greedy(reference, PROMPTS, 16), "FP8", Float8Weight)
+
+
+def test_fp8_moe_checkpoint_matches_transformers(tiny_model, tmp_path):
+    """A Qwen3-MoE checkpoint in FP8 as Qwen ships them (every expert's projections e4m3
+    with their own scale, the router in floats): float32 gives transformers' tokens on the
+    dequantized weights; bfloat16 keeps every projection in FP8, the experts run one by
+    one (quant_gemm_grouped takes integer blocks only)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    src = tiny_model("qwen3_moe")
+    quantized = Path(shutil.copytree(src, tmp_path / "fp8"))
+    reference = Path(shutil.copytree(src, tmp_path / "reference"))
+    tensors, dequantized = {}, {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        tensors[name] = dequantized[name] = w
+        if name.endswith("_proj.weight"):
+            scale = w.abs().amax() / 448
+            q = (w / scale).to(torch.float8_e4m3fn)
+            tensors[name], dequantized[name] = q, q.float() * scale
+            tensors[name.replace(".weight", ".weight_scale_inv")] = scale.reshape(1)
+    save_file(tensors, str(quantized / "model.safetensors"))
+    save_file(dequantized, str(reference / "model.safetensors"))
+    _with_quantization_config(quantized, {"quant_method": "fp8", "fmt": "e4m3",
+                                          "activation_scheme": "dynamic"})
+    from transformers import AutoModelForCausalLM
+
+    expected = hf_greedy(AutoModelForCausalLM.from_pretrained(str(reference),
+                                                              dtype=torch.float32), PROMPTS, 16)
+    model, exact = _generate(str(quantized), "float32")
+    assert [o.token_ids for o in exact] == expected
+    ops, _ = quantized_kernels()
+    if not Float8Weight.kernels_run(ops, torch.bfloat16):
+        return
+    model, kept = _generate(str(quantized), "bfloat16")
+    assert_greedy_follows(exact, kept)
+    moe = model.model.layers[0].mlp
+    assert moe.kept_grouped is None
+    assert all(isinstance(e.gate_up_proj.segments[0].quantized, Float8Weight)
+               for e in moe.experts)
