@@ -27,6 +27,12 @@ FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_DOT_MAX_ROWS = 4
 
 
+def _scaled(weight: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """A float8 weight [n, k] times its scales [n, ceil(k / block)], in float32."""
+    k = weight.shape[1]
+    return weight.float() * scales.repeat_interleave(block, dim=1)[:, :k]
+
+
 @dataclass(frozen=True)
 class Float8Format:
     """How an FP8 weight is kept: e4m3 bytes, a float32 scale per ``block`` columns of a
@@ -102,8 +108,7 @@ class Float8Groups:
 
     def dequantize(self) -> torch.Tensor:
         """The weight in float32: weight * its block's scale."""
-        k = self.shape[1]
-        return self.weight.float() * self.scales.repeat_interleave(self.block, dim=1)[:, :k]
+        return _scaled(self.weight, self.scales, self.block)
 
     def qtype(self) -> str:
         return "fp8 e4m3 " + ("channel" if self.scales.shape[1] == 1 else f"g{self.block}")
@@ -115,12 +120,11 @@ class Float8Groups:
     def to_weight(self, qtype: str, origin: str) -> Float8Weight | None:
         """The weight for the kernels, or None where they cannot take it (blocks that are
         not a multiple of 64 columns)."""
-        n, k = self.shape
         if self.scales.shape[1] > 1 and self.block % 64:
             return None
         data = self.weight.contiguous().view(torch.uint8)
-        return Float8Weight(Float8Format(self.block), data, self.scales.contiguous(), None, k,
-                            qtype, origin)
+        return Float8Weight(Float8Format(self.block), data, self.scales.contiguous(), None,
+                            self.shape[1], qtype, origin)
 
 
 class Float8Weight(QuantizedWeight):
@@ -135,8 +139,7 @@ class Float8Weight(QuantizedWeight):
         data, scales = self.data, self.scales
         if index is not None:
             data, scales = data[index], scales[index]
-        w = data.view(torch.float8_e4m3fn).float()
-        return (w * scales.repeat_interleave(self.fmt.block, dim=1)[:, :self.k]).to(dtype)
+        return _scaled(data.view(torch.float8_e4m3fn), scales, self.fmt.block).to(dtype)
 
     @staticmethod
     def kernels_run(ops: KernelTable | None, dtype: torch.dtype) -> bool:
@@ -144,7 +147,7 @@ class Float8Weight(QuantizedWeight):
         return ops is not None and ops.fp8_gemm_bf16 is not None and dtype == torch.bfloat16
 
     def kernel_for(self, rows: int, ops: KernelTable | None, dtype: torch.dtype) -> str:
-        """"dot" (float32 dot products on the bytes as read), "panels" (cpullm's bf16 GEMM
+        """"dot" (BF16 dot products on the bytes as read), "panels" (cpullm's bf16 GEMM
         on panels dequantized 32 rows at a time) or "torch" (ATen on weights dequantized a
         slice at a time)."""
         if not self.kernels_run(ops, dtype):
@@ -171,6 +174,6 @@ class Float8Weight(QuantizedWeight):
         if self.kernel_for(1, ops, dtype) == "torch":
             return f"{name}: dequantized a slice at a time, ATen linear"
         if self.kernel_for(FP8_DOT_MAX_ROWS + 1, ops, dtype) == "dot":
-            return f"{name}: cpullm float32 dot products on the bytes (AVX-512)"
-        return (f"{name}: cpullm float32 dot products on the bytes up to {FP8_DOT_MAX_ROWS} "
+            return f"{name}: cpullm BF16 dot products on the bytes (AVX-512 BF16)"
+        return (f"{name}: cpullm BF16 dot products on the bytes up to {FP8_DOT_MAX_ROWS} "
                 "rows, bf16 GEMM on panels dequantized 32 rows at a time above (AVX-512 BF16)")
