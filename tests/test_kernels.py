@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -252,13 +253,14 @@ def test_build_is_keyed_on_the_cpu_and_the_install(monkeypatch, tmp_path):
     a build of its own, not this one's."""
     import shutil
 
+    from cpullm.model_executor.layers import kernel_build
     from cpullm.model_executor.layers import ops as ops_py
     from cpullm.platform.cpu import CpuInfo
 
     mine = ops_py.build_name()
     assert mine == ops_py.build_name() and mine.startswith("cpullm_ops_")
-    shutil.copytree(ops_py._CSRC, tmp_path / "csrc")
-    monkeypatch.setattr(ops_py, "_CSRC", str(tmp_path / "csrc"))
+    shutil.copytree(kernel_build.CSRC, tmp_path / "csrc")
+    monkeypatch.setattr(kernel_build, "CSRC", str(tmp_path / "csrc"))
     assert ops_py.build_name() != mine
     monkeypatch.undo()
     info = cpu_info()
@@ -280,16 +282,27 @@ def test_prebuilt_level_follows_the_cpu_flags():
 
 
 def test_prebuilt_libraries_run_here():
-    """Every level's library that setup built and this CPU runs: it loads, its table has
-    what its instruction sets allow, and its rotary kernel equals torch's."""
-    from cpullm.model_executor.layers.ops import ISA_LEVELS, KernelTable, load_prebuilt
+    """Every level's library that the install built and this CPU runs: it loads, its table
+    has what its instruction sets allow, and its rotary kernel equals torch's."""
+    import glob
+
+    from cpullm.model_executor.layers.ops import (
+        _PREBUILT,
+        ISA_LEVELS,
+        KernelTable,
+        load_prebuilt,
+    )
     from cpullm.model_executor.layers.rotary import RotaryEmbedding
 
     runnable = [level for level in ISA_LEVELS if level.needs <= cpu_info().flags]
+    if not runnable:
+        pytest.skip("none are prebuilt for CPUs without AVX2")
+    assert glob.glob(os.path.join(_PREBUILT, "cpullm_ops_*.so")), \
+        "the install built no kernels (pip install -v shows why)"
     loaded = {level.name: load_prebuilt(level) for level in runnable}
     if not any(loaded.values()):
-        pytest.skip("no prebuilt kernels this CPU runs (make setup builds them; none for CPUs "
-                    "without AVX2)")
+        pytest.skip("the prebuilt kernels are of other sources (edited since the install; "
+                    "python -m cpullm.model_executor.layers.ops rebuilds them)")
     from types import SimpleNamespace
 
     config = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
@@ -309,13 +322,14 @@ def test_prebuilt_libraries_run_here():
 def test_prebuilt_library_of_other_sources_is_not_used(monkeypatch, tmp_path):
     import shutil
 
+    from cpullm.model_executor.layers import kernel_build
     from cpullm.model_executor.layers import ops as ops_py
 
     level = ops_py.ISA_LEVELS[0]
     mine = ops_py.prebuilt_name(level)
-    shutil.copytree(ops_py._CSRC, tmp_path / "csrc")
+    shutil.copytree(kernel_build.CSRC, tmp_path / "csrc")
     (tmp_path / "csrc" / "threads.cpp").write_text(
         (tmp_path / "csrc" / "threads.cpp").read_text() + "\n// edited\n")
-    monkeypatch.setattr(ops_py, "_CSRC", str(tmp_path / "csrc"))
+    monkeypatch.setattr(kernel_build, "CSRC", str(tmp_path / "csrc"))
     assert ops_py.prebuilt_name(level) != mine
     assert ops_py.load_prebuilt(level) is None  # sources edited since setup: the JIT build
