@@ -543,6 +543,27 @@ def test_fp8_kernel_dequantizes_every_e4m3_value_exactly():
         assert torch.equal(out.T, expected), kernel
 
 
+def test_fp8_panel_layout():
+    """The kernels' byte order: per 32 rows and pair of columns, rows 0..15 at the even
+    bytes and rows 16..31 at the odd ones, each row's two weights side by side; it goes
+    back to row-major exactly; weights it cannot take (rows not a multiple of 32, an odd
+    number of columns) are left to be dequantized at load."""
+    from cpullm.model_executor.layers.quantization.fp8 import from_panels, to_panels
+
+    n, k = 64, 10
+    data = torch.randint(0, 256, (n, k), dtype=torch.uint8)
+    panels = to_panels(data)
+    assert panels.shape == (n, k) and torch.equal(from_panels(panels), data)
+    flat = panels.view(n // 32, k // 2, 64)
+    for p, kk, i in [(0, 0, 0), (0, 3, 5), (1, 4, 31), (1, 2, 18)]:
+        # element i of the panel row [16 rows][2]: row i // 2, column 2 kk + i % 2
+        assert flat[p, kk, 2 * i] == data[32 * p + i // 2, 2 * kk + i % 2]
+        assert flat[p, kk, 2 * i + 1] == data[32 * p + 16 + i // 2, 2 * kk + i % 2]
+    weight = data.view(torch.float8_e4m3fn)
+    assert Float8Groups(weight[:48], torch.ones(48, 1), k).to_weight("x", "x") is None
+    assert Float8Groups(weight[:, :9], torch.ones(n, 1), 9).to_weight("x", "x") is None
+
+
 FP8_CASES = {  # name -> (n, k, scales of shape, block)
     "tensor": (96, 640, "tensor", None),
     "channel-tail": (64, 200, "channel", None),  # rows of 200: a short last 32 columns
@@ -550,7 +571,7 @@ FP8_CASES = {  # name -> (n, k, scales of shape, block)
 }
 
 
-@pytest.mark.parametrize("rows", [1, 5, 17, 600])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 17, 600])
 @pytest.mark.parametrize("case", list(FP8_CASES))
 def test_fp8_kernels_match_dequantized_reference(case, rows):
     """Each FP8 kernel this machine runs, forced, against x @ W.T in float32 on the

@@ -5,11 +5,13 @@ compressed-tensors ``float-quantized`` and ``quant_method: fp8`` checkpoints giv
 per tensor, per output channel, or per block of 128 x 128 (``weight_block_size``); each
 becomes ``Float8Groups``: the e4m3 bytes [n, k] and ``scales`` [n, ceil(k / block)], a
 block's scale repeated over its rows. Kept for the kernels (``Float8Weight``, where
-cpullm's AVX-512 BF16 kernels run), a matmul dequantizes 32 rows at a time into the
-bfloat16 GEMM (``fp8_gemm_bf16``, csrc/fp8_gemm.cpp): half a bfloat16 weight's memory and
-reads, the same products; for the few rows of a decode step, float32 dot products on the
-bytes as they are read. Elsewhere each shard is dequantized once at load, exactly, in
-float32.
+cpullm's AVX-512 BF16 kernels run), the bytes are laid out in panels of 32 rows
+(``to_panels``: per pair of columns, 64 bytes in the order the kernels convert them) and a
+matmul runs ``fp8_gemm_bf16`` (csrc/fp8_gemm.cpp): for the few rows of a decode step, BF16
+dot products on the bytes as they are read; above, the bf16 GEMM on panels dequantized one
+at a time. Half a bfloat16 weight's memory and reads, the same products. Elsewhere (and for
+a weight whose rows are not a multiple of 32) each shard is dequantized once at load,
+exactly, in float32.
 """
 
 from __future__ import annotations
@@ -24,13 +26,29 @@ from cpullm.model_executor.layers.quantization.kept import QuantizedWeight
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Up to this many rows of x, dot products on the bytes as read; above, the bf16 GEMM on
 # dequantized panels (measured in docs/quantization.md).
-FP8_DOT_MAX_ROWS = 4
+FP8_DOT_MAX_ROWS = 8
 
 
 def _scaled(weight: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
     """A float8 weight [n, k] times its scales [n, ceil(k / block)], in float32."""
     k = weight.shape[1]
     return weight.float() * scales.repeat_interleave(block, dim=1)[:, :k]
+
+
+def to_panels(data: torch.Tensor) -> torch.Tensor:
+    """FP8 bytes [n, k] (n a multiple of 32, k even) in the kernels' order, still [n, k]:
+    per 32 rows and pair of columns, the 64 weights [row][2] go in as bytes 0, 2, .., 62
+    (rows 0..15) and 1, 3, .., 63 (rows 16..31)."""
+    n, k = data.shape
+    pairs = data.view(n // 32, 32, k // 2, 2).permute(0, 2, 1, 3)  # [panel, k / 2, row, 2]
+    return pairs.reshape(n // 32, k // 2, 2, 32).transpose(2, 3).contiguous().view(n, k)
+
+
+def from_panels(data: torch.Tensor) -> torch.Tensor:
+    """The bytes [n, k] of ``to_panels`` back in row-major order."""
+    n, k = data.shape
+    pairs = data.view(n // 32, k // 2, 32, 2).transpose(2, 3)  # [panel, k / 2, half, 32]
+    return pairs.reshape(n // 32, k // 2, 32, 2).permute(0, 2, 1, 3).reshape(n, k)
 
 
 @dataclass(frozen=True)
@@ -118,25 +136,27 @@ class Float8Groups:
         return Float8Weight.kernels_run(ops, dtype)
 
     def to_weight(self, qtype: str, origin: str) -> Float8Weight | None:
-        """The weight for the kernels, or None where they cannot take it (blocks that are
-        not a multiple of 64 columns)."""
-        if self.scales.shape[1] > 1 and self.block % 64:
+        """The weight for the kernels, or None where they cannot take it (rows not a
+        multiple of 32, an odd number of columns or of columns per block)."""
+        n, k = self.shape
+        if n % 32 or k % 2 or (self.scales.shape[1] > 1 and self.block % 2):
             return None
-        data = self.weight.contiguous().view(torch.uint8)
-        return Float8Weight(Float8Format(self.block), data, self.scales.contiguous(), None,
-                            self.shape[1], qtype, origin)
+        data = to_panels(self.weight.contiguous().view(torch.uint8))
+        return Float8Weight(Float8Format(self.block), data, self.scales.contiguous(), None, k,
+                            qtype, origin)
 
 
 class Float8Weight(QuantizedWeight):
-    """A weight [n, k] kept in FP8: ``data`` the e4m3 bytes [n, k] (uint8), ``scales``
-    [n, blocks] float32; the ``fmt`` is a ``Float8Format``."""
+    """A weight [n, k] kept in FP8: ``data`` the e4m3 bytes [n, k] (uint8) in panel order
+    (``to_panels``), ``scales`` [n, blocks] float32; the ``fmt`` is a ``Float8Format``.
+    Stacking such weights (``cat``) stacks whole panels."""
 
     fmt: Float8Format  # type: ignore[assignment]
     runs_grouped = False  # (quant_gemm_grouped takes integer blocks)
 
     def dequantize(self, dtype: torch.dtype, index: torch.Tensor | slice | None = None
                    ) -> torch.Tensor:
-        data, scales = self.data, self.scales
+        data, scales = from_panels(self.data), self.scales
         if index is not None:
             data, scales = data[index], scales[index]
         return _scaled(data.view(torch.float8_e4m3fn), scales, self.fmt.block).to(dtype)
@@ -152,8 +172,7 @@ class Float8Weight(QuantizedWeight):
         slice at a time)."""
         if not self.kernels_run(ops, dtype):
             return "torch"
-        panels = rows > FP8_DOT_MAX_ROWS and self.n % 32 == 0 and self.k % 2 == 0
-        return "panels" if panels else "dot"
+        return "panels" if rows > FP8_DOT_MAX_ROWS else "dot"
 
     def matmul_into(self, out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
                     ops: KernelTable | None, kernel: str | None = None) -> None:
@@ -173,7 +192,5 @@ class Float8Weight(QuantizedWeight):
             return name
         if self.kernel_for(1, ops, dtype) == "torch":
             return f"{name}: dequantized a slice at a time, ATen linear"
-        if self.kernel_for(FP8_DOT_MAX_ROWS + 1, ops, dtype) == "dot":
-            return f"{name}: cpullm BF16 dot products on the bytes (AVX-512 BF16)"
         return (f"{name}: cpullm BF16 dot products on the bytes up to {FP8_DOT_MAX_ROWS} "
                 "rows, bf16 GEMM on panels dequantized 32 rows at a time above (AVX-512 BF16)")
