@@ -199,7 +199,7 @@ void fp8_gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor sca
   }
   gemm_on_panels(out, x, n, bias, [&](int64_t p, int32_t* panel) {
     dequantize_panel(dp, sp, k, blocks, block, p, panel);
-  }, kGemmBlockRows);
+  });
 }
 #endif
 

@@ -66,14 +66,11 @@ constexpr GemmTiles gemm_tiles(std::integer_sequence<int, MR...>) {
 // out [m, n] = x [m, k] @ W.T (+ bias) for a W that is never held in bfloat16 whole:
 // dequantize(p, panel) writes rows [32 p, 32 p + 32) of W into a bfloat16 panel
 // [k / 2][32][2] (the packed GEMM's layout). Each thread dequantizes its panels one at a
-// time and runs up to `row_block` rows of x over each: x comes from L2 (a few hundred
-// rows) or L3, the panel from L1/L2. More rows than `row_block` go in blocks of it, each
-// dequantizing the panels again: where the dequantization is cheap, that costs less than
-// streaming every row of x from memory once per panel.
+// time and runs every row of x over each: x comes from L3 (or L2, up to a few hundred
+// rows), the panel from L1/L2.
 template <typename Dequantize>
 void gemm_on_panels(at::Tensor& out, const at::Tensor& x, int64_t n,
-                    const c10::optional<at::Tensor>& bias, Dequantize&& dequantize,
-                    int64_t row_block = INT64_MAX) {
+                    const c10::optional<at::Tensor>& bias, Dequantize&& dequantize) {
   static const GemmTiles tiles = gemm_tiles<false, false>(std::make_integer_sequence<int, kGemmRows>{});
   const int64_t m = x.size(0), k = x.size(1);
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
@@ -83,15 +80,12 @@ void gemm_on_panels(at::Tensor& out, const at::Tensor& x, int64_t n,
   at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> panel(16 * k);  // [k / 2][32] pairs
     auto* pp = reinterpret_cast<const c10::BFloat16*>(panel.data());
-    for (int64_t r0 = 0; r0 < m; r0 += row_block) {
-      const int64_t r1 = std::min(m, r0 + row_block);
-      for (int64_t p = begin; p < end; ++p) {
-        dequantize(p, panel.data());
-        for (int64_t r = r0; r < r1; r += kGemmRows) {
-          const int64_t rows = std::min<int64_t>(kGemmRows, r1 - r);
-          tiles[rows - 1](xp + r * ldx, ldx, pp, k / 2, bp != nullptr ? bp + 32 * p : nullptr,
-                          op + r * ldo + 32 * p, ldo, nullptr);
-        }
+    for (int64_t p = begin; p < end; ++p) {
+      dequantize(p, panel.data());
+      for (int64_t r = 0; r < m; r += kGemmRows) {
+        const int64_t rows = std::min<int64_t>(kGemmRows, m - r);
+        tiles[rows - 1](xp + r * ldx, ldx, pp, k / 2, bp != nullptr ? bp + 32 * p : nullptr,
+                        op + r * ldo + 32 * p, ldo, nullptr);
       }
     }
   });
