@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -129,36 +128,92 @@ def test_bf16_norm_and_silu_are_bit_identical(rows):
     assert torch.equal(SiluAndMul(ops)(gate_up), SiluAndMul()(gate_up))
 
 
+needs_amx_tiles = pytest.mark.skipif(
+    ops is None or "amx_bf16" not in cpu_info().flags or ops.gemm_bf16_amx is None
+    or not ops.amx_bf16_ready(), reason="the AMX GEMM needs AMX-BF16 tiles")
+
+
+def _expected_path(dense, amx: bool, output_size: int, input_size: int):
+    """The path PackedGemm picks: AMX tiles where the CPU (or the test) says AMX and the
+    tiles run here, for input sizes a multiple of 32; the older split on AMX CPUs else."""
+    if output_size % 32:
+        return dense.GemmPath.ONEDNN
+    if not amx:
+        return dense.GemmPath.OWN
+    if input_size % 32 == 0 and dense._amx_runs(ops):
+        return dense.GemmPath.AMX
+    return dense.GemmPath.OWN_THEN_ONEDNN
+
+
 @needs_bf16
 @pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 12, 13, 130, 600])
-@pytest.mark.parametrize("output_size", [960, 968])
-def test_packed_linear_matches_float32(rows, output_size, amx, monkeypatch):
+@pytest.mark.parametrize("output_size,input_size", [(960, 576), (968, 576), (960, 560)])
+def test_packed_linear_matches_float32(rows, output_size, input_size, amx, monkeypatch):
     """cpullm's bf16 GEMM (output sizes a multiple of 32; row tiles of 12, blocks of 264;
-    with AMX only up to 8 rows) and oneDNN's on a prepacked weight (the rest), from rows of
-    a wider tensor too."""
+    on AMX CPUs on AMX tiles, or with an input size off the tile depth only up to 8 rows)
+    and oneDNN's on a prepacked weight (the rest), from rows of a wider tensor too."""
     from cpullm.model_executor.layers.linear import ReplicatedLinear
     from cpullm.model_executor.layers.quantization import dense
 
     monkeypatch.setattr(dense, "_has_amx", lambda: amx)
     torch.manual_seed(rows)
-    layer = ReplicatedLinear(576, output_size, bias=True, dtype=torch.bfloat16)
-    weight = torch.randn(output_size, 576, dtype=torch.bfloat16) / 24
+    layer = ReplicatedLinear(input_size, output_size, bias=True, dtype=torch.bfloat16)
+    weight = torch.randn(output_size, input_size, dtype=torch.bfloat16) / 24
     layer.weight.data = weight
     layer.bias.data = torch.randn(output_size, dtype=torch.bfloat16)
     wide = torch.randn(rows, 640, dtype=torch.bfloat16)
-    expected = F.linear(wide[:, :576].float(), weight.float(), layer.bias.float())
+    expected = F.linear(wide[:, :input_size].float(), weight.float(), layer.bias.float())
     layer.process_weights_after_loading(ops)
     assert layer.gemm is not None and layer.weight.numel() == 0  # the packed copy only
     assert (layer.gemm.kernel is not None) == (output_size % 32 == 0)
-    assert layer.gemm.own_rows == (0 if output_size % 32 else 8 if amx else sys.maxsize)
-    assert layer.gemm.path == (dense.GemmPath.ONEDNN if output_size % 32
-                               else dense.GemmPath.OWN_THEN_ONEDNN if amx
-                               else dense.GemmPath.OWN)
-    for x in (wide[:, :576], wide[:, :576].contiguous().view(1, rows, 576)):
+    path = _expected_path(dense, amx, output_size, input_size)
+    assert layer.gemm.path == path and layer.gemm.own_rows == path.own_rows
+    assert (layer.gemm.onednn is None) == (path in (dense.GemmPath.OWN, dense.GemmPath.AMX))
+    for x in (wide[:, :input_size], wide[:, :input_size].contiguous().view(1, rows, input_size)):
         got = layer(x)
         assert got.dtype == torch.bfloat16 and got.shape == (*x.shape[:-1], output_size)
         assert torch.allclose(got.float().view(rows, -1), expected, atol=0.05, rtol=0.02)
+
+
+@needs_amx_tiles
+@pytest.mark.parametrize("rows", [1, 16, 17, 47, 1000])
+@pytest.mark.parametrize("silu_mul", [False, True])
+@pytest.mark.parametrize("input_size", [576, 2048])
+def test_amx_gemm_matches_the_avx512_gemm(rows, silu_mul, input_size):
+    """The AMX GEMM on the AVX-512 GEMM's panels: row tails under a tile (zero-padded),
+    several row blocks (1000 rows of 2048), bias and silu(gate) * up in the same stores;
+    both within bfloat16 rounding of float32, and close to each other."""
+    torch.manual_seed(rows)
+    n = 256
+    weight = torch.randn(n, input_size, dtype=torch.bfloat16) / input_size ** 0.5
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    x = torch.randn(rows, input_size + 64, dtype=torch.bfloat16)[:, :input_size]
+    if silu_mul:  # gate 0-15, up 0-15, gate 16-31, ...: the GEMM's interleaved order
+        order = torch.arange(n).view(2, n // 32, 16).transpose(0, 1).reshape(n)
+        packed_weight, packed_bias = weight[order], bias[order]
+    else:
+        packed_weight, packed_bias = weight, bias
+    panels = packed_weight.view(n // 32, 32, input_size // 2, 2).permute(0, 2, 1, 3).contiguous()
+    width = n // 2 if silu_mul else n
+    got, avx = (torch.empty(rows, width, dtype=torch.bfloat16) for _ in range(2))
+    ops.gemm_bf16_amx(got, x, panels, packed_bias, silu_mul)
+    ops.gemm_bf16(avx, x, panels, packed_bias, silu_mul)
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    if silu_mul:
+        gate, up = expected.chunk(2, dim=-1)
+        expected = F.silu(gate) * up
+    assert torch.allclose(got.float(), expected, atol=0.1, rtol=0.03)
+    assert torch.allclose(got.float(), avx.float(), atol=0.1, rtol=0.03)
+
+
+def test_amx_gemm_refuses_an_input_size_off_the_tile_depth():
+    if ops is None or ops.gemm_bf16_amx is None:
+        pytest.skip("no AMX GEMM in this build")
+    panels = torch.zeros(1, 280, 32, 2, dtype=torch.bfloat16)  # K = 560
+    with pytest.raises(RuntimeError, match="multiple of 32|no AMX tiles"):
+        ops.gemm_bf16_amx(torch.empty(2, 32, dtype=torch.bfloat16),
+                          torch.zeros(2, 560, dtype=torch.bfloat16), panels, None, False)
 
 
 @needs_bf16
@@ -166,9 +221,9 @@ def test_packed_linear_matches_float32(rows, output_size, amx, monkeypatch):
 @pytest.mark.parametrize("rows", [1, 13, 300])
 @pytest.mark.parametrize("intermediate", [1536, 1544])
 def test_gate_up_silu_fused_matches_unfused(rows, intermediate, amx, monkeypatch):
-    """silu(gate) * up in the GEMM's store (1536: interleaved panels) equals the merged GEMM
-    followed by the SiLU-mul kernel bit for bit; 1544 (not a multiple of 16), and more than
-    8 rows with AMX, run oneDNN's GEMM, then the kernel."""
+    """silu(gate) * up in the GEMM's store (1536: interleaved panels; on AMX tiles with AMX)
+    equals the merged GEMM followed by the SiLU-mul kernel bit for bit; 1544 (not a
+    multiple of 16) runs oneDNN's GEMM, then the kernel."""
     from cpullm.model_executor.layers.activation import SiluAndMul
     from cpullm.model_executor.layers.linear import GateUpSiluLinear, MergedColumnLinear
     from cpullm.model_executor.layers.quantization import dense

@@ -13,6 +13,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "optionally silu(gate) * up of interleaved gate and up panels");
   m.def("gemm_bf16_grouped", &cpullm::gemm_bf16_grouped,
         "gemm_bf16 for several packed weights, each on its own run of rows, in one call");
+  m.def("amx_bf16_ready", &cpullm::amx_bf16_ready,
+        "whether this process may use AMX tiles (asks the OS once); only where the CPU has them");
+  m.def("gemm_bf16_amx", &cpullm::gemm_bf16_amx,
+        "gemm_bf16 on AMX tiles, on the same packed panels; K a multiple of 32");
   m.def("prefill_softmax_bf16", &cpullm::prefill_softmax_bf16,
         "causal softmax of prompt-chunk attention scores, in place");
 #endif

@@ -14,6 +14,24 @@ namespace cpullm {
 constexpr int kGemmRows = 12;
 constexpr int64_t kGemmBlockRows = 264;  // rows of x a thread keeps in L2 across its panels
 
+// One row of a panel's product, 32 float32 columns in two halves, stored as bfloat16 with
+// the bias added; with SILU_MUL the halves are 16 gate and 16 up columns, and the row stored
+// is silu(gate) * up, rounded where silu_and_mul_bf16 rounds. Every bf16 GEMM ends in it.
+template <bool SILU_MUL>
+inline void store_panel_row(c10::BFloat16* out, __m512 lo, __m512 hi, __m512 bias_lo,
+                            __m512 bias_hi) {
+  if (SILU_MUL) {
+    const __m512 gate = bf16_round(_mm512_add_ps(lo, bias_lo));
+    const __m512 up = bf16_round(_mm512_add_ps(hi, bias_hi));
+    const __m512 act = bf16_round(_mm512_div_ps(
+        gate, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate)))));
+    bf16x16_store(out, _mm512_mul_ps(act, up));
+  } else {
+    bf16x16_store(out, _mm512_add_ps(lo, bias_lo));
+    bf16x16_store(out + 16, _mm512_add_ps(hi, bias_hi));
+  }
+}
+
 template <int MR, bool PREFETCH, bool SILU_MUL>
 void gemm_tile(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t k2,
                const c10::BFloat16* bias, c10::BFloat16* out, int64_t ldo, const char* next) {
@@ -39,18 +57,8 @@ void gemm_tile(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, 
     bias0 = bf16x16_load(bias);
     bias1 = bf16x16_load(bias + 16);
   }
-  for (int r = 0; r < MR; ++r) {
-    if (SILU_MUL) {
-      const __m512 gate = bf16_round(_mm512_add_ps(acc[r][0], bias0));
-      const __m512 up = bf16_round(_mm512_add_ps(acc[r][1], bias1));
-      const __m512 act = bf16_round(_mm512_div_ps(
-          gate, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate)))));
-      bf16x16_store(out + r * ldo, _mm512_mul_ps(act, up));
-    } else {
-      bf16x16_store(out + r * ldo, _mm512_add_ps(acc[r][0], bias0));
-      bf16x16_store(out + r * ldo + 16, _mm512_add_ps(acc[r][1], bias1));
-    }
-  }
+  for (int r = 0; r < MR; ++r)
+    store_panel_row<SILU_MUL>(out + r * ldo, acc[r][0], acc[r][1], bias0, bias1);
 }
 
 using GemmTile = void (*)(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t,

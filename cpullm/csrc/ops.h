@@ -1,5 +1,5 @@
 // The kernels cpullm's Python side calls (bound in bindings.cpp), one file per family:
-// attention.cpp, gemm.cpp, quant_gemm.cpp, fp8_gemm.cpp, pointwise.cpp (rotary, RMSNorm, SiLU-mul),
+// attention.cpp, gemm.cpp, gemm_amx.cpp, quant_gemm.cpp, fp8_gemm.cpp, pointwise.cpp (rotary, RMSNorm, SiLU-mul),
 // sampling.cpp, threads.cpp. Kernels that need an instruction set exist only where it is
 // compiled in.
 #pragma once
@@ -33,6 +33,12 @@ void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at
                bool silu_mul);
 void gemm_bf16_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> panels,
                        std::vector<int64_t> offsets, bool silu_mul);
+
+// gemm_amx.cpp: the same GEMM on AMX tiles (compiled for them, run only where the CPU has
+// them: ask amx_bf16_ready() first)
+bool amx_bf16_ready();
+void gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias,
+                   bool silu_mul);
 #endif
 
 // quant_gemm.cpp: x @ W.T with W kept quantized (u, scales, mins or a zero point)

@@ -23,8 +23,8 @@ CSRC = os.path.normpath(os.path.join(os.path.dirname(__file__), os.pardir, os.pa
 # -ffp-contract=off: no fused multiply-adds, so that float32 results round like the unfused
 # torch ops they replace.
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
-SOURCES = ("attention.cpp", "gemm.cpp", "quant_gemm.cpp", "fp8_gemm.cpp", "pointwise.cpp",
-           "sampling.cpp", "threads.cpp", "bindings.cpp")
+SOURCES = ("attention.cpp", "gemm.cpp", "gemm_amx.cpp", "quant_gemm.cpp", "fp8_gemm.cpp",
+           "pointwise.cpp", "sampling.cpp", "threads.cpp", "bindings.cpp")
 HEADERS = ("gemm_tiles.h", "ops.h", "vec.h")
 
 

@@ -53,6 +53,8 @@ class KernelTable:
     silu_and_mul_bf16: Kernel | None
     gemm_bf16: Kernel | None
     gemm_bf16_grouped: Kernel | None
+    amx_bf16_ready: Kernel | None  # compiled with AVX-512 BF16; runs only on AMX CPUs
+    gemm_bf16_amx: Kernel | None
     prefill_softmax_bf16: Kernel | None
     quant_gemm: Kernel | None  # AVX-512 VNNI
     quant_gemm_grouped: Kernel | None

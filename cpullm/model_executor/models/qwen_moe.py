@@ -89,7 +89,7 @@ class SparseMoE(nn.Module):
         experts of a step run grouped: one kernel call for the gate-ups of all chosen
         experts (SiLU-mul fused), one for the downs, bit for bit what the per-expert calls
         give. Returns (the gate-up panels, the down panels, the rows up to which the own
-        GEMM runs: with AMX, oneDNN takes more, expert by expert), else None."""
+        GEMM runs them grouped; above, AMX tiles or oneDNN, expert by expert), else None."""
         from cpullm.model_executor.layers.quantization.dense import PackedGemm
 
         if self.ops is None or self.ops.gemm_bf16_grouped is None:
@@ -104,7 +104,7 @@ class SparseMoE(nn.Module):
                 return None
             gate_ups.append(gemms[0].panels)
             downs.append(gemms[1].panels)
-        return gate_ups, downs, min(g.own_rows for e in self.experts
+        return gate_ups, downs, min(g.grouped_rows for e in self.experts
                                     for g in (e.gate_up_proj.gemm, e.down_proj.gemm))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpullm.logger import init_logger
 from cpullm.model_executor.layers.activation import SiluAndMul
 from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import LinearMethod
@@ -18,6 +19,8 @@ from cpullm.platform.cpu import cpu_info
 
 if TYPE_CHECKING:
     from cpullm.model_executor.layers.linear import LinearBase
+
+logger = init_logger(__name__)
 
 
 class DenseLinearMethod(LinearMethod):
@@ -56,10 +59,13 @@ class DenseLinearMethod(LinearMethod):
         return "ATen linear"
 
 
-# Where the CPU has AMX tiles, oneDNN's matmul runs bfloat16 GEMMs on them; the own GEMM
-# (BF16 dot products on AVX-512) then keeps only what is a stream of weights more than
-# arithmetic. Measured on a 16-core Intel Xeon with AMX-BF16, 30 decoder layers of a 135M
-# model: the own GEMM 25-40% faster at 1-8 rows, oneDNN 3-15x faster from 32 rows.
+# Where the CPU has AMX tiles, the own GEMM runs on them (``gemm_bf16_amx``, on the same
+# panels). Measured on 2 cores of an Intel Xeon with AMX-BF16, the GEMMs of one SmolLM2
+# decoder layer and its LM head: AMX as fast as the AVX-512 GEMM at 1 row and 1.3-1.9x
+# faster at 2-8 rows; against oneDNN's matmul on its own blocked copy of the weight 1.3-1.6x
+# faster at 1-64 rows and within 10% at 128-2048 rows; the 1B model's layer the same. A
+# weight whose input size is not a multiple of 32 (the tile depth) keeps the older split:
+# the AVX-512 GEMM up to 8 rows, oneDNN's matmul (AMX) above.
 _OWN_GEMM_ROWS_WITH_AMX = 8
 
 
@@ -67,19 +73,29 @@ def _has_amx() -> bool:
     return "amx_bf16" in cpu_info().flags
 
 
+def _amx_runs(ops: KernelTable) -> bool:
+    """Whether this build has the AMX GEMM and the OS lets this process use the tiles."""
+    return ops.gemm_bf16_amx is not None and ops.amx_bf16_ready is not None \
+        and bool(ops.amx_bf16_ready())
+
+
 class GemmPath(enum.Enum):
     """Which GEMM runs a packed weight, by the number of rows of x."""
 
     OWN = "cpullm bf16 GEMM"
+    AMX = "cpullm bf16 GEMM on AMX tiles"
     ONEDNN = "oneDNN matmul, prepacked weight"
     OWN_THEN_ONEDNN = (f"cpullm bf16 GEMM up to {_OWN_GEMM_ROWS_WITH_AMX} rows, "
                        "oneDNN matmul (AMX) above")
 
     @property
     def own_rows(self) -> int:
-        """Up to how many rows the own GEMM runs."""
-        return {GemmPath.OWN: sys.maxsize, GemmPath.ONEDNN: 0,
+        """Up to how many rows the AVX-512 GEMM runs (above: AMX or oneDNN)."""
+        return {GemmPath.OWN: sys.maxsize, GemmPath.AMX: 0, GemmPath.ONEDNN: 0,
                 GemmPath.OWN_THEN_ONEDNN: _OWN_GEMM_ROWS_WITH_AMX}[self]
+
+
+_logged_paths: set[GemmPath] = set()
 
 
 class PackedGemm:
@@ -92,8 +108,10 @@ class PackedGemm:
     weight, on two Zen 5 cores (AVX-512 BF16, no AMX), the 30 decoder layers of a 135M
     model take 20% less time at 128 rows with the weights coming from memory, as in a
     decode step (28 vs 35 ms); the LM head 25% less; 1 to 8 rows 40% less; 4096 rows the
-    same. With AMX, oneDNN's matmul takes everything above 8 rows, and keeps a copy of the
-    weight in its blocked layout; so do other shapes and float16, all rows.
+    same. With AMX the same panels feed AMX tiles (``gemm_bf16_amx``) for every number of
+    rows, when the input size is a multiple of 32; otherwise oneDNN's matmul takes
+    everything above 8 rows, on a copy of the weight in its blocked layout; so do other
+    shapes and float16, all rows.
 
     ``silu_mul`` (a merged gate-up weight): the call returns silu(gate) * up. For the own
     GEMM the gate and up halves are interleaved 16 rows at a time, so that each panel holds
@@ -106,18 +124,23 @@ class PackedGemm:
         kernel = ops.gemm_bf16
         own = weight.dtype == torch.bfloat16 and kernel is not None and n % 32 == 0 \
             and k % 2 == 0
+        amx = own and _has_amx() and k % 32 == 0 and _amx_runs(ops)
         self.kernel = kernel if own else None
+        self.amx = ops.gemm_bf16_amx if amx else None
         self.act = silu_mul
         self.output_size = n // 2 if silu_mul is not None else n
         self.bias = bias
         self.onednn: torch.Tensor | None = None
-        if not own or _has_amx():
+        if not own or (_has_amx() and not amx):
             if not torch.backends.mkldnn.is_available():
                 raise RuntimeError("oneDNN is not available")
             self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 128)
-        self.path = (GemmPath.ONEDNN if not own else GemmPath.OWN if self.onednn is None
-                     else GemmPath.OWN_THEN_ONEDNN)
+        self.path = (GemmPath.ONEDNN if not own else GemmPath.AMX if amx
+                     else GemmPath.OWN if self.onednn is None else GemmPath.OWN_THEN_ONEDNN)
         self.own_rows = self.path.own_rows  # read on every call
+        if self.path not in _logged_paths:
+            _logged_paths.add(self.path)
+            logger.debug("bf16 GEMM path: %s (first weight %d x %d)", self.path.value, n, k)
         self.panels = self.panel_bias = None
         if own:
             if silu_mul is not None:  # rows: gate 0-15, up 0-15, gate 16-31, up 16-31, ...
@@ -126,6 +149,14 @@ class PackedGemm:
                     bias = bias.view(2, n // 32, 16).transpose(0, 1).reshape(n)
             self.panels = weight.view(n // 32, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
             self.panel_bias = None if bias is None else bias.contiguous()
+
+    @property
+    def grouped_rows(self) -> int:
+        """Up to how many rows per weight a grouped call of the AVX-512 GEMM (a mixture's
+        experts) runs these panels: its single call beats one AMX call per expert there."""
+        if self.kernel is None:
+            return 0
+        return _OWN_GEMM_ROWS_WITH_AMX if self.path is GemmPath.AMX else self.own_rows
 
     @classmethod
     def create(cls, weight: torch.Tensor, bias: torch.Tensor | None, ops: KernelTable | None,
@@ -160,12 +191,12 @@ class PackedGemm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] <= self.own_rows:
-            assert self.kernel is not None
+        kernel = self.kernel if rows.shape[0] <= self.own_rows else self.amx
+        if kernel is not None:
             if rows.stride(-1) != 1 or rows.stride(0) % 2:
                 rows = rows.contiguous()
             out = rows.new_empty(rows.shape[0], self.output_size)
-            self.kernel(out, rows, self.panels, self.panel_bias, self.silu_mul)
+            kernel(out, rows, self.panels, self.panel_bias, self.silu_mul)
             return out.view(*x.shape[:-1], self.output_size)
         out = torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
         return self.act(out) if self.act is not None else out

@@ -1,0 +1,181 @@
+// The bfloat16 GEMM on AMX tiles, on the same 32-column panels as gemm_bf16 (gemm.cpp).
+//
+// A panel's 128-byte row holds the (k, k+1) pairs of 32 output columns, so 16 of its rows
+// at a stride of 128 bytes are exactly the B operand of TDPBF16PS for 16 columns and 32 k
+// (the first 64 bytes of each row) or for the next 16 columns (the second 64 bytes). The
+// A operand, 16 rows of x by 32 k, is read from x as it lies. So one packed copy of a
+// weight serves both GEMMs, and the CPU needs no second, blocked copy for oneDNN.
+//
+// Tiles: 4 accumulators (32 rows x 32 columns, float32), 2 of x, 2 of the panel; each
+// k-step of 32 loads 4 tiles for 4 tile products. A thread takes a contiguous run of
+// (row block, panel) items; a row block is as many rows of x as stay in L2 (at least 32),
+// and the panel a thread takes next is prefetched while the first rows run over this one.
+// The float32 accumulators leave through a small buffer into the same stores as gemm_bf16
+// (bias, silu(gate) * up), so both GEMMs round their outputs alike.
+#include "gemm_tiles.h"
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <vector>
+
+namespace cpullm {
+
+#if defined(__AVX512BF16__)
+namespace {
+
+constexpr int64_t kAmxBlockBytes = 1 << 20;  // the rows of x a row block keeps in L2
+
+// Linux gives a process the AMX tile state only on request (arch_prctl, XTILEDATA).
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile in use is 16 rows of 64 bytes: tmm0-3 the accumulators, tmm4-5 x, tmm6-7 the
+// panel.
+__attribute__((target("amx-tile,amx-bf16"))) void load_tile_config() {
+  static const TileConfig config = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.colsb[t] = 64;
+      c.rows[t] = 16;
+    }
+    return c;
+  }();
+  // ldtilecfg reads the 64 bytes, which the compiler does not see: keep them in memory.
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
+// acc [32][32] float32 = tiles of x (a0: rows 0-15, a1: rows 16-31, each with its own
+// stride in bytes) times one panel, over k2 pairs of k (a multiple of 16). TWO: both row
+// tiles; else a0's alone. next: a panel to prefetch into L2 as this one runs, or null.
+template <bool TWO>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_panel(
+    const c10::BFloat16* a0, int64_t lda0, const c10::BFloat16* a1, int64_t lda1,
+    const c10::BFloat16* panel, int64_t k2, const char* next, float* acc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (TWO) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kk = 0; kk < k2; kk += 16) {
+    if (next != nullptr)  // the 16 panel rows of this step: 2 KiB, 32 lines
+      for (int line = 0; line < 32; ++line) _mm_prefetch(next + kk * 128 + line * 64, _MM_HINT_T1);
+    const c10::BFloat16* b = panel + kk * 64;
+    _tile_loadd(6, b, 128);
+    _tile_loadd(7, b + 32, 128);
+    _tile_loadd(4, a0 + 2 * kk, lda0);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (TWO) {
+      _tile_loadd(5, a1 + 2 * kk, lda1);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, acc, 128);
+  _tile_stored(1, acc + 16, 128);
+  if (TWO) {
+    _tile_stored(2, acc + 16 * 32, 128);
+    _tile_stored(3, acc + 16 * 32 + 16, 128);
+  }
+}
+
+__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
+
+}  // namespace
+
+bool amx_bf16_ready() { return amx_permitted(); }
+
+// gemm_bf16's product on AMX tiles: the same panels, bias and silu_mul, for any number of
+// rows; K (twice the panels' second size) must be a multiple of 32.
+void gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias,
+                   bool silu_mul) {
+  TORCH_CHECK(amx_permitted(), "gemm_bf16_amx: the OS gives this process no AMX tiles");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16 &&
+              out.scalar_type() == at::kBFloat16, "gemm_bf16_amx: bfloat16 tensors expected");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.is_contiguous() && panels.is_contiguous() &&
+              panels.dim() == 4 && panels.size(2) == 32 && panels.size(3) == 2,
+              "gemm_bf16_amx: rows of x, packed panels [N/32, K/2, 32, 2]");
+  const int64_t m = x.size(0), k2 = panels.size(1), k = 2 * k2, n = panels.size(0) * 32;
+  const int64_t width = silu_mul ? n / 2 : n, panel_width = silu_mul ? 16 : 32;
+  TORCH_CHECK(x.size(1) == k && k % 32 == 0 && out.size(0) == m && out.size(1) == width,
+              "gemm_bf16_amx: shapes do not match (K must be a multiple of 32)");
+  if (m == 0) return;
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* wp = panels.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  const int64_t ldx = x.stride(0), panel_size = k2 * 64, num_panels = n / 32;
+  // The last rows past a multiple of 16, zero-padded to a whole tile: a tile load reads 16
+  // rows, and there may be no memory after x's last row.
+  const int64_t full = m - m % 16;
+  std::vector<c10::BFloat16> tail(m % 16 ? 16 * k : 0);
+  for (int64_t r = full; r < m; ++r)
+    std::memcpy(tail.data() + (r - full) * k, xp + r * ldx, k * sizeof(c10::BFloat16));
+  auto row_tile = [&](int64_t r, int64_t& stride) {  // rows [r, r + 16) as a tile operand
+    stride = r < full ? ldx * 2 : k * 2;
+    return r < full ? xp + r * ldx : tail.data();
+  };
+  const int64_t block_rows = std::max<int64_t>(32, kAmxBlockBytes / (2 * k) / 32 * 32);
+  const int64_t num_blocks = (m + block_rows - 1) / block_rows;
+  at::parallel_for(0, num_blocks * num_panels, 1, [&](int64_t begin, int64_t end) {
+    load_tile_config();
+    alignas(64) float acc[32 * 32];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r0 = item / num_panels * block_rows, p = item % num_panels;
+      const int64_t r1 = std::min(m, r0 + block_rows);
+      const c10::BFloat16* panel = wp + p * panel_size;
+      const char* next = item + 1 < end && p + 1 < num_panels
+          ? reinterpret_cast<const char*>(panel + panel_size) : nullptr;
+      __m512 bias_lo = _mm512_setzero_ps(), bias_hi = _mm512_setzero_ps();
+      if (bp != nullptr) {
+        bias_lo = bf16x16_load(bp + p * 32);
+        bias_hi = bf16x16_load(bp + p * 32 + 16);
+      }
+      for (int64_t r = r0; r < r1; r += 32) {
+        const int64_t rows = std::min<int64_t>(32, r1 - r);
+        int64_t lda0 = 0, lda1 = 0;
+        const c10::BFloat16* a0 = row_tile(r, lda0);
+        const char* prefetch = r == r0 ? next : nullptr;
+        if (rows > 16) {
+          const c10::BFloat16* a1 = row_tile(r + 16, lda1);
+          amx_panel<true>(a0, lda0, a1, lda1, panel, k2, prefetch, acc);
+        } else {
+          amx_panel<false>(a0, lda0, nullptr, 0, panel, k2, prefetch, acc);
+        }
+        c10::BFloat16* o = op + r * width + p * panel_width;
+        for (int64_t i = 0; i < rows; ++i) {
+          const float* row = acc + i * 32;
+          if (silu_mul)
+            store_panel_row<true>(o + i * width, _mm512_load_ps(row), _mm512_load_ps(row + 16),
+                                  bias_lo, bias_hi);
+          else
+            store_panel_row<false>(o + i * width, _mm512_load_ps(row), _mm512_load_ps(row + 16),
+                                   bias_lo, bias_hi);
+        }
+      }
+    }
+    release_tiles();
+  });
+}
+#endif
+
+}  // namespace cpullm
