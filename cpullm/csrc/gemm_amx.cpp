@@ -64,11 +64,14 @@ __attribute__((target("amx-tile,amx-bf16"))) void load_tile_config() {
 
 // acc [32][32] float32 = tiles of x (a0: rows 0-15, a1: rows 16-31, each with its own
 // stride in bytes) times one panel, over k2 pairs of k (a multiple of 16). TWO: both row
-// tiles; else a0's alone. next: a panel to prefetch into L2 as this one runs, or null.
+// tiles; else a0's alone. next: a panel to prefetch into L2 as this one runs, or null:
+// lines [line0, line1) of each k-step's 2 KiB (32 lines) of it, so that the row tiles of a
+// panel share its prefetch evenly.
 template <bool TWO>
 __attribute__((target("amx-tile,amx-bf16"))) void amx_panel(
     const c10::BFloat16* a0, int64_t lda0, const c10::BFloat16* a1, int64_t lda1,
-    const c10::BFloat16* panel, int64_t k2, const char* next, float* acc) {
+    const c10::BFloat16* panel, int64_t k2, const char* next, int line0, int line1,
+    float* acc) {
   _tile_zero(0);
   _tile_zero(1);
   if (TWO) {
@@ -76,8 +79,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panel(
     _tile_zero(3);
   }
   for (int64_t kk = 0; kk < k2; kk += 16) {
-    if (next != nullptr)  // the 16 panel rows of this step: 2 KiB, 32 lines
-      for (int line = 0; line < 32; ++line) _mm_prefetch(next + kk * 128 + line * 64, _MM_HINT_T1);
+    if (next != nullptr)
+      for (int line = line0; line < line1; ++line)
+        _mm_prefetch(next + kk * 128 + line * 64, _MM_HINT_T1);
     const c10::BFloat16* b = panel + kk * 64;
     _tile_loadd(6, b, 128);
     _tile_loadd(7, b + 32, 128);
@@ -150,16 +154,21 @@ void gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optiona
         bias_lo = bf16x16_load(bp + p * 32);
         bias_hi = bf16x16_load(bp + p * 32 + 16);
       }
+      // each row tile prefetches its share of the next panel's lines
+      const int64_t tiles = (r1 - r0 + 31) / 32;
+      const int share = static_cast<int>((32 + tiles - 1) / tiles);
       for (int64_t r = r0; r < r1; r += 32) {
         const int64_t rows = std::min<int64_t>(32, r1 - r);
         int64_t lda0 = 0, lda1 = 0;
         const c10::BFloat16* a0 = row_tile(r, lda0);
-        const char* prefetch = r == r0 ? next : nullptr;
+        const int line0 = std::min<int>(32, static_cast<int>((r - r0) / 32) * share);
+        const int line1 = std::min<int>(32, line0 + share);
+        const char* prefetch = line0 < line1 ? next : nullptr;
         if (rows > 16) {
           const c10::BFloat16* a1 = row_tile(r + 16, lda1);
-          amx_panel<true>(a0, lda0, a1, lda1, panel, k2, prefetch, acc);
+          amx_panel<true>(a0, lda0, a1, lda1, panel, k2, prefetch, line0, line1, acc);
         } else {
-          amx_panel<false>(a0, lda0, nullptr, 0, panel, k2, prefetch, acc);
+          amx_panel<false>(a0, lda0, nullptr, 0, panel, k2, prefetch, line0, line1, acc);
         }
         c10::BFloat16* o = op + r * width + p * panel_width;
         for (int64_t i = 0; i < rows; ++i) {
