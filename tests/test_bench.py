@@ -58,6 +58,26 @@ def test_bench_latency(tiny_model, tmp_path):
     assert set(result["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
 
 
+def test_bench_gemm(tiny_model, tmp_path):
+    """Every GEMM path this CPU runs, timed on the model's layer shapes, and one prompt
+    step through the engine against their peak."""
+    from cpullm.platform import cpu_info
+
+    out = tmp_path / "gemm.json"
+    stdout = run(["gemm", "--model", str(tiny_model("llama")), "--rows", "1", "40",
+                  "--iters", "2", "--prompt-tokens", "256", "--output-json", str(out)]).stdout
+    assert "peak at 40 rows" in stdout and "of the peak" in stdout
+    result = json.loads(out.read_text())
+    flags = cpu_info().flags
+    paths = set(result["gmacs"])
+    assert "onednn" in paths
+    assert ("avx512_bf16" in paths) == ("avx512_bf16" in flags)
+    assert ("amx" in paths) == ("amx_bf16" in flags and "avx512_bf16" in flags)
+    assert all(figure > 0 for path in result["gmacs"].values() for figure in path.values())
+    assert result["peak_gmacs"] == max(path["40"] for path in result["gmacs"].values())
+    assert result["prompt_step_gmacs"] > 0
+
+
 def test_bench_serve(tiny_model, tmp_path):
     model = str(tiny_model("llama"))
     server = RemoteServer([model, *ENGINE])

@@ -179,11 +179,12 @@ def test_packed_linear_matches_float32(rows, output_size, input_size, amx, monke
 @needs_amx_tiles
 @pytest.mark.parametrize("rows", [1, 16, 17, 47, 1000])
 @pytest.mark.parametrize("silu_mul", [False, True])
-@pytest.mark.parametrize("input_size", [576, 2048])
+@pytest.mark.parametrize("input_size", [576, 2048, 4160])
 def test_amx_gemm_matches_the_avx512_gemm(rows, silu_mul, input_size):
     """The AMX GEMM on the AVX-512 GEMM's panels: row tails under a tile (zero-padded),
-    several row blocks (1000 rows of 2048), bias and silu(gate) * up in the same stores;
-    both within bfloat16 rounding of float32, and close to each other."""
+    several row blocks (1000 rows), K in slices (2048 and 4160: two whole slices and a
+    short one), bias and silu(gate) * up in the same stores; both within bfloat16 rounding
+    of float32, and close to each other."""
     torch.manual_seed(rows)
     n = 256
     weight = torch.randn(n, input_size, dtype=torch.bfloat16) / input_size ** 0.5

@@ -28,6 +28,8 @@ namespace cpullm {
 namespace {
 
 constexpr int64_t kAmxBlockBytes = 1 << 20;  // the rows of x a row block keeps in L2
+constexpr int64_t kAmxDeepK = 1024;  // above: K in slices (see gemm_bf16_amx)
+constexpr int64_t kAmxSliceK = 2048;
 
 // Linux gives a process the AMX tile state only on request (arch_prctl, XTILEDATA).
 bool amx_permitted() {
@@ -66,17 +68,27 @@ __attribute__((target("amx-tile,amx-bf16"))) void load_tile_config() {
 // stride in bytes) times one panel, over k2 pairs of k (a multiple of 16). TWO: both row
 // tiles; else a0's alone. next: a panel to prefetch into L2 as this one runs, or null:
 // lines [line0, line1) of each k-step's 2 KiB (32 lines) of it, so that the row tiles of a
-// panel share its prefetch evenly.
+// panel share its prefetch evenly. accumulate: add to what acc holds (a product over the
+// k before these) instead of starting from zero.
 template <bool TWO>
 __attribute__((target("amx-tile,amx-bf16"))) void amx_panel(
     const c10::BFloat16* a0, int64_t lda0, const c10::BFloat16* a1, int64_t lda1,
     const c10::BFloat16* panel, int64_t k2, const char* next, int line0, int line1,
-    float* acc) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if (TWO) {
-    _tile_zero(2);
-    _tile_zero(3);
+    float* acc, bool accumulate = false) {
+  if (accumulate) {
+    _tile_loadd(0, acc, 128);
+    _tile_loadd(1, acc + 16, 128);
+    if (TWO) {
+      _tile_loadd(2, acc + 16 * 32, 128);
+      _tile_loadd(3, acc + 16 * 32 + 16, 128);
+    }
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (TWO) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
   }
   for (int64_t kk = 0; kk < k2; kk += 16) {
     if (next != nullptr)
@@ -138,8 +150,75 @@ void gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optiona
     stride = r < full ? ldx * 2 : k * 2;
     return r < full ? xp + r * ldx : tail.data();
   };
-  const int64_t block_rows = std::max<int64_t>(32, kAmxBlockBytes / (2 * k) / 32 * 32);
-  const int64_t num_blocks = (m + block_rows - 1) / block_rows;
+  auto store_rows = [&](const float* acc, int64_t rows, int64_t p, c10::BFloat16* o) {
+    __m512 bias_lo = _mm512_setzero_ps(), bias_hi = _mm512_setzero_ps();
+    if (bp != nullptr) {
+      bias_lo = bf16x16_load(bp + p * 32);
+      bias_hi = bf16x16_load(bp + p * 32 + 16);
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* row = acc + i * 32;
+      if (silu_mul)
+        store_panel_row<true>(o + i * width, _mm512_loadu_ps(row), _mm512_loadu_ps(row + 16),
+                              bias_lo, bias_hi);
+      else
+        store_panel_row<false>(o + i * width, _mm512_loadu_ps(row), _mm512_loadu_ps(row + 16),
+                               bias_lo, bias_hi);
+    }
+  };
+  if (k > kAmxDeepK && m > 32 && num_panels >= 4 * at::get_num_threads()) {
+    // A deep K (a down projection of a large MLP): a panel is too big to be reused by enough
+    // rows that share L2 with it. K is cut into slices of kAmxSliceK: each thread runs a
+    // block of rows' slice of x (in L2) over each of its panels' slices, adding into float32
+    // accumulators of its panels' columns, and stores them after the last slice.
+    const int64_t slice2 = kAmxSliceK / 2;
+    const int64_t rows_per_block = std::max<int64_t>(32, kAmxBlockBytes / (2 * kAmxSliceK));
+    const int64_t blocks = (m + rows_per_block - 1) / rows_per_block;
+    const int64_t block_rows = ((m + blocks - 1) / blocks + 31) / 32 * 32;
+    at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+      load_tile_config();
+      std::vector<float> accs((end - begin) * block_rows * 32);
+      for (int64_t r0 = 0; r0 < m; r0 += block_rows) {
+        const int64_t r1 = std::min(m, r0 + block_rows);
+        for (int64_t kc = 0; kc < k2; kc += slice2) {
+          const int64_t depth = std::min(slice2, k2 - kc);
+          for (int64_t p = begin; p < end; ++p) {
+            const c10::BFloat16* panel = wp + p * panel_size + kc * 64;
+            const char* next = p + 1 < end
+                ? reinterpret_cast<const char*>(panel + panel_size) : nullptr;
+            const int64_t tiles = (r1 - r0 + 31) / 32;
+            const int share = static_cast<int>((32 + tiles - 1) / tiles);
+            for (int64_t r = r0; r < r1; r += 32) {
+              float* acc = accs.data() + ((p - begin) * block_rows + (r - r0)) * 32;
+              int64_t lda0 = 0, lda1 = 0;
+              const c10::BFloat16* a0 = row_tile(r, lda0) + 2 * kc;
+              const int line0 = std::min<int>(32, static_cast<int>((r - r0) / 32) * share);
+              const int line1 = std::min<int>(32, line0 + share);
+              const char* prefetch = line0 < line1 ? next : nullptr;
+              if (r1 - r > 16) {
+                const c10::BFloat16* a1 = row_tile(r + 16, lda1) + 2 * kc;
+                amx_panel<true>(a0, lda0, a1, lda1, panel, depth, prefetch, line0, line1, acc,
+                                kc > 0);
+              } else {
+                amx_panel<false>(a0, lda0, nullptr, 0, panel, depth, prefetch, line0, line1,
+                                 acc, kc > 0);
+              }
+            }
+          }
+        }
+        for (int64_t p = begin; p < end; ++p)
+          store_rows(accs.data() + (p - begin) * block_rows * 32, r1 - r0, p,
+                     op + r0 * width + p * panel_width);
+      }
+      release_tiles();
+    });
+    return;
+  }
+  // Row blocks of equal size (a multiple of 32), each at most what L2 keeps: the threads
+  // split the (block, panel) items by count, so a short last block would leave one idle.
+  const int64_t max_rows = std::max<int64_t>(32, kAmxBlockBytes / (2 * k) / 32 * 32);
+  const int64_t num_blocks = (m + max_rows - 1) / max_rows;
+  const int64_t block_rows = ((m + num_blocks - 1) / num_blocks + 31) / 32 * 32;
   at::parallel_for(0, num_blocks * num_panels, 1, [&](int64_t begin, int64_t end) {
     load_tile_config();
     alignas(64) float acc[32 * 32];
@@ -149,11 +228,6 @@ void gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optiona
       const c10::BFloat16* panel = wp + p * panel_size;
       const char* next = item + 1 < end && p + 1 < num_panels
           ? reinterpret_cast<const char*>(panel + panel_size) : nullptr;
-      __m512 bias_lo = _mm512_setzero_ps(), bias_hi = _mm512_setzero_ps();
-      if (bp != nullptr) {
-        bias_lo = bf16x16_load(bp + p * 32);
-        bias_hi = bf16x16_load(bp + p * 32 + 16);
-      }
       // each row tile prefetches its share of the next panel's lines
       const int64_t tiles = (r1 - r0 + 31) / 32;
       const int share = static_cast<int>((32 + tiles - 1) / tiles);
@@ -170,16 +244,7 @@ void gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optiona
         } else {
           amx_panel<false>(a0, lda0, nullptr, 0, panel, k2, prefetch, line0, line1, acc);
         }
-        c10::BFloat16* o = op + r * width + p * panel_width;
-        for (int64_t i = 0; i < rows; ++i) {
-          const float* row = acc + i * 32;
-          if (silu_mul)
-            store_panel_row<true>(o + i * width, _mm512_load_ps(row), _mm512_load_ps(row + 16),
-                                  bias_lo, bias_hi);
-          else
-            store_panel_row<false>(o + i * width, _mm512_load_ps(row), _mm512_load_ps(row + 16),
-                                   bias_lo, bias_hi);
-        }
+        store_rows(acc, rows, p, op + r * width + p * panel_width);
       }
     }
     release_tiles();

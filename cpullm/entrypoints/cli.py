@@ -110,6 +110,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from cpullm.benchmarks.offline import run_latency
 
         run_latency(args)
+    elif args.bench == "gemm":
+        from cpullm.benchmarks.gemm import run_gemm
+
+        run_gemm(args)
     elif args.bench == "allreduce":
         from cpullm.benchmarks.allreduce import run_allreduce
 
@@ -195,6 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="load an OpenAI-compatible server",
         description="Load an OpenAI-compatible server (cpullm's or vLLM's) with streamed "
         "requests and report TTFT, TPOT, ITL and throughput."))
+    from cpullm.benchmarks.gemm import add_gemm_args
+
+    add_gemm_args(bench_sub.add_parser(
+        "gemm", help="one decoder layer's bf16 GEMMs on every path this CPU runs, and the peak",
+        description="Time one decoder layer's bfloat16 GEMMs on each path the engine can "
+        "pick on this CPU (AVX-512 BF16, AMX tiles, oneDNN) at several row counts, print "
+        "GMAC/s and the peak; with --prompt-tokens, one prompt step through the engine "
+        "against that peak."))
     from cpullm.benchmarks.allreduce import add_allreduce_args
 
     add_allreduce_args(bench_sub.add_parser(
