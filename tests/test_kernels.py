@@ -290,6 +290,27 @@ def test_bf16_prompt_attention_matches_sdpa(window, shapes):
     assert torch.allclose(got.float(), expected.float(), atol=3e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_kv_writes_what_index_copy_writes(dtype):
+    """A step's keys and values, strided views into a fused QKV output, land in their
+    cache slots as index_copy_ puts them; a slot outside the cache is refused."""
+    torch.manual_seed(0)
+    slots_total, kv_heads, dim, tokens = 64, 2, 16, 9
+    qkv = torch.randn(tokens, (4 + 2 * kv_heads) * dim).to(dtype)
+    k = qkv[:, 4 * dim:6 * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, 6 * dim:].view(tokens, kv_heads, dim)
+    slots = torch.randperm(slots_total)[:tokens]
+    expected_k, expected_v = (torch.zeros(slots_total, kv_heads, dim, dtype=dtype)
+                              for _ in range(2))
+    expected_k.index_copy_(0, slots, k)
+    expected_v.index_copy_(0, slots, v)
+    got_k, got_v = torch.zeros_like(expected_k), torch.zeros_like(expected_v)
+    ops.cache_kv(got_k, got_v, k, v, slots)
+    assert torch.equal(got_k, expected_k) and torch.equal(got_v, expected_v)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.cache_kv(got_k, got_v, k, v, torch.full((tokens,), slots_total))
+
+
 def test_kernel_table_lists_the_build():
     """Every kernel the module binds is a field of the table, and this CPU's build has all
     of those its instruction sets allow."""

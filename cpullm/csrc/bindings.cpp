@@ -36,6 +36,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ w.T with w kept in FP8 (e4m3), dequantized 32 rows at a time into the bf16 GEMM");
 #endif
   m.def("rotary_embedding", &cpullm::rotary_embedding, "rotate-half rotary embedding, in place");
+  m.def("cache_kv", &cpullm::cache_kv, "write a step's keys and values into their cache slots");
 #if defined(__AVX512F__)
   m.def("sample_from_logits", &cpullm::sample_from_logits, "one inverse-CDF draw per row of logits");
 #endif

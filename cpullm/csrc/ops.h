@@ -23,6 +23,8 @@ void prefill_softmax_bf16(at::Tensor scores, at::Tensor starts, at::Tensor query
 // pointwise.cpp
 void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos,
                       at::Tensor sin);
+void cache_kv(at::Tensor key_cache, at::Tensor value_cache, at::Tensor k, at::Tensor v,
+              at::Tensor slots);
 #if defined(__AVX512BF16__)
 void rms_norm_bf16(at::Tensor out, at::Tensor x, c10::optional<at::Tensor> residual,
                    at::Tensor weight, double eps);

@@ -1,7 +1,9 @@
-// Rotary embedding, bfloat16 RMSNorm (fused with the residual add) and SiLU-mul.
+// Rotary embedding, bfloat16 RMSNorm (fused with the residual add), SiLU-mul, and the
+// write of a step's keys and values into the KV cache.
 #include "ops.h"
 #include "vec.h"
 
+#include <cstring>
 #include <vector>
 
 namespace cpullm {
@@ -121,5 +123,41 @@ void silu_and_mul_bf16(at::Tensor out, at::Tensor x) {
   });
 }
 #endif
+
+// key_cache[slots[t]] = k[t], value_cache[slots[t]] = v[t] for each token t of the step:
+// one call for both, in place of two index_copy_ calls per layer (each a TensorIterator
+// set up for a few hundred rows). The caches are [slots, kv_heads, head_dim] views of the
+// blocks; k and v are rows of kv_heads * head_dim contiguous values (views into the fused
+// QKV output).
+void cache_kv(at::Tensor key_cache, at::Tensor value_cache, at::Tensor k, at::Tensor v,
+              at::Tensor slots) {
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() &&
+              key_cache.sizes() == value_cache.sizes() && key_cache.dim() == 3 &&
+              slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "cache_kv: contiguous caches [slots, kv_heads, head_dim], int64 slots");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == slots.numel() &&
+              k.size(1) == key_cache.size(1) && k.size(2) == key_cache.size(2) &&
+              k.scalar_type() == key_cache.scalar_type() &&
+              v.scalar_type() == key_cache.scalar_type() && k.stride(2) == 1 &&
+              v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
+              "cache_kv: k and v must be [tokens, kv_heads, head_dim] rows of the cache's "
+              "dtype");
+  const int64_t tokens = k.size(0), num_slots = key_cache.size(0);
+  const int64_t width = k.size(1) * k.size(2), item = k.element_size();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "cache_kv: slot ", sp[t], " out of range");
+  auto* kc = static_cast<char*>(key_cache.data_ptr());
+  auto* vc = static_cast<char*>(value_cache.data_ptr());
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t row = width * item, ks = k.stride(0) * item, vs = v.stride(0) * item;
+  at::parallel_for(0, tokens, grain_for(2 * width), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kc + sp[t] * row, kp + t * ks, row);
+      std::memcpy(vc + sp[t] * row, vp + t * vs, row);
+    }
+  });
+}
 
 }  // namespace cpullm

@@ -111,8 +111,17 @@ class PagedAttention(nn.Module):
         group = self.kv_group
         prefill_tables = meta.prefill_block_tables[group]
         flat_shape = (-1, self.num_kv_heads, self.head_dim)
-        key_cache.view(flat_shape).index_copy_(0, meta.slot_mapping[group], k)
-        value_cache.view(flat_shape).index_copy_(0, meta.slot_mapping[group], v)
+        slots = meta.slot_mapping[group]
+        if (self.ops is not None and k.dtype == v.dtype == key_cache.dtype
+                and key_cache.is_contiguous() and value_cache.is_contiguous()
+                and slots.dtype == torch.long and slots.is_contiguous()
+                and k.stride(-1) == v.stride(-1) == 1
+                and k.stride(-2) == v.stride(-2) == self.head_dim):
+            self.ops.cache_kv(key_cache.view(flat_shape), value_cache.view(flat_shape), k, v,
+                              slots)
+        else:
+            key_cache.view(flat_shape).index_copy_(0, slots, k)
+            value_cache.view(flat_shape).index_copy_(0, slots, v)
 
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens

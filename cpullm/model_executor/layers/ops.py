@@ -48,6 +48,7 @@ class KernelTable:
 
     decode_attention: Kernel
     rotary_embedding: Kernel
+    cache_kv: Kernel
     bind_threads: Kernel
     rms_norm_bf16: Kernel | None  # AVX-512 BF16
     silu_and_mul_bf16: Kernel | None
