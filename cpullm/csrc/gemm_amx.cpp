@@ -166,6 +166,34 @@ void gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optiona
                                bias_lo, bias_hi);
     }
   };
+  // The 32-row tiles of rows [r0, r1) over k pairs [kc, kc + depth) of a panel (panel: at
+  // pair kc): tile r's float32 product goes to acc_of(r), added to what it holds if
+  // accumulate, then done(r, rows, acc) runs. The tiles share the prefetch of next (the
+  // panel a thread takes next, at the same pairs), each its share of every k-step's lines.
+  auto run_rows = [&](int64_t r0, int64_t r1, const c10::BFloat16* panel, int64_t kc,
+                      int64_t depth, const char* next, bool accumulate, auto&& acc_of,
+                      auto&& done) {
+    const int64_t tiles = (r1 - r0 + 31) / 32;
+    const int share = static_cast<int>((32 + tiles - 1) / tiles);
+    for (int64_t r = r0; r < r1; r += 32) {
+      const int64_t rows = std::min<int64_t>(32, r1 - r);
+      float* acc = acc_of(r);
+      int64_t lda0 = 0, lda1 = 0;
+      const c10::BFloat16* a0 = row_tile(r, lda0) + 2 * kc;
+      const int line0 = std::min<int>(32, static_cast<int>((r - r0) / 32) * share);
+      const int line1 = std::min<int>(32, line0 + share);
+      const char* prefetch = line0 < line1 ? next : nullptr;
+      if (rows > 16) {
+        const c10::BFloat16* a1 = row_tile(r + 16, lda1) + 2 * kc;
+        amx_panel<true>(a0, lda0, a1, lda1, panel, depth, prefetch, line0, line1, acc,
+                        accumulate);
+      } else {
+        amx_panel<false>(a0, lda0, nullptr, 0, panel, depth, prefetch, line0, line1, acc,
+                         accumulate);
+      }
+      done(r, rows, acc);
+    }
+  };
   if (k > kAmxDeepK && m > 32 && num_panels >= 4 * at::get_num_threads()) {
     // A deep K (a down projection of a large MLP): a panel is too big to be reused by enough
     // rows that share L2 with it. K is cut into slices of kAmxSliceK: each thread runs a
@@ -186,24 +214,10 @@ void gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optiona
             const c10::BFloat16* panel = wp + p * panel_size + kc * 64;
             const char* next = p + 1 < end
                 ? reinterpret_cast<const char*>(panel + panel_size) : nullptr;
-            const int64_t tiles = (r1 - r0 + 31) / 32;
-            const int share = static_cast<int>((32 + tiles - 1) / tiles);
-            for (int64_t r = r0; r < r1; r += 32) {
-              float* acc = accs.data() + ((p - begin) * block_rows + (r - r0)) * 32;
-              int64_t lda0 = 0, lda1 = 0;
-              const c10::BFloat16* a0 = row_tile(r, lda0) + 2 * kc;
-              const int line0 = std::min<int>(32, static_cast<int>((r - r0) / 32) * share);
-              const int line1 = std::min<int>(32, line0 + share);
-              const char* prefetch = line0 < line1 ? next : nullptr;
-              if (r1 - r > 16) {
-                const c10::BFloat16* a1 = row_tile(r + 16, lda1) + 2 * kc;
-                amx_panel<true>(a0, lda0, a1, lda1, panel, depth, prefetch, line0, line1, acc,
-                                kc > 0);
-              } else {
-                amx_panel<false>(a0, lda0, nullptr, 0, panel, depth, prefetch, line0, line1,
-                                 acc, kc > 0);
-              }
-            }
+            float* panel_acc = accs.data() + (p - begin) * block_rows * 32;
+            run_rows(r0, r1, panel, kc, depth, next, kc > 0,
+                     [&](int64_t r) { return panel_acc + (r - r0) * 32; },
+                     [](int64_t, int64_t, const float*) {});
           }
         }
         for (int64_t p = begin; p < end; ++p)
@@ -228,24 +242,10 @@ void gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optiona
       const c10::BFloat16* panel = wp + p * panel_size;
       const char* next = item + 1 < end && p + 1 < num_panels
           ? reinterpret_cast<const char*>(panel + panel_size) : nullptr;
-      // each row tile prefetches its share of the next panel's lines
-      const int64_t tiles = (r1 - r0 + 31) / 32;
-      const int share = static_cast<int>((32 + tiles - 1) / tiles);
-      for (int64_t r = r0; r < r1; r += 32) {
-        const int64_t rows = std::min<int64_t>(32, r1 - r);
-        int64_t lda0 = 0, lda1 = 0;
-        const c10::BFloat16* a0 = row_tile(r, lda0);
-        const int line0 = std::min<int>(32, static_cast<int>((r - r0) / 32) * share);
-        const int line1 = std::min<int>(32, line0 + share);
-        const char* prefetch = line0 < line1 ? next : nullptr;
-        if (rows > 16) {
-          const c10::BFloat16* a1 = row_tile(r + 16, lda1);
-          amx_panel<true>(a0, lda0, a1, lda1, panel, k2, prefetch, line0, line1, acc);
-        } else {
-          amx_panel<false>(a0, lda0, nullptr, 0, panel, k2, prefetch, line0, line1, acc);
-        }
-        store_rows(acc, rows, p, op + r * width + p * panel_width);
-      }
+      run_rows(r0, r1, panel, 0, k2, next, false, [&](int64_t) { return acc; },
+               [&](int64_t r, int64_t rows, const float* product) {
+                 store_rows(product, rows, p, op + r * width + p * panel_width);
+               });
     }
     release_tiles();
   });
