@@ -32,6 +32,11 @@ _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 _NARROW_MASK = 8
 # Grammars whose compiled matcher the model runner keeps, to copy for the next request
 _KEPT_GRAMMARS = 256
+# The whitespace JSON may hold between two of its tokens: a run of spaces and tabs, or one
+# line break with indentation on either side. Any pretty-printed JSON fits; a sampled model
+# cannot spend its tokens on blank lines (unbounded whitespace lets a small model at
+# temperature 1 write newlines until max_tokens)
+_JSON_WHITESPACE = r"[\x20\x09]{1,64}|[\x20\x09]{0,64}\x0D?\x0A[\x20\x09]{0,64}"
 
 
 @dataclass
@@ -49,7 +54,9 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     structural_tag: str | dict[str, Any] | None = None
     # vLLM's options: disable_any_whitespace keeps JSON compact (no whitespace between
-    # tokens of the syntax); the others are accepted (llguidance never falls back)
+    # tokens of the syntax); whitespace_pattern is the regex of the whitespace JSON may hold
+    # between them (default _JSON_WHITESPACE); the others are accepted (llguidance never
+    # falls back)
     disable_fallback: bool = False
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
@@ -63,7 +70,7 @@ class StructuredOutputsParams:
         if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
                                         or not all(isinstance(c, str) for c in self.choice)):
             raise ValueError("structured_outputs: choice must be a non-empty list of strings")
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "whitespace_pattern"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"structured_outputs: {name} must be a string")
@@ -93,14 +100,20 @@ class StructuredOutputsParams:
         value = getattr(self, kind)
         if kind in ("json", "json_object"):
             schema = {"type": "object"} if kind == "json_object" else value
-            if self.disable_any_whitespace:
-                if isinstance(schema, str):
-                    try:
-                        schema = json.loads(schema)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"structured_outputs: the JSON schema is not JSON: "
-                                         f"{e}") from None
-                schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"structured_outputs: the JSON schema is not JSON: "
+                                     f"{e}") from None
+            own = schema.get("x-guidance", {}) if isinstance(schema, dict) else None
+            # (the schema's own x-guidance whitespace options win over the request's)
+            if isinstance(own, dict) and not {"whitespace_flexible",
+                                              "whitespace_pattern"} & set(own):
+                options = ({"whitespace_flexible": False} if self.disable_any_whitespace
+                           else {"whitespace_pattern": self.whitespace_pattern
+                                 or _JSON_WHITESPACE})
+                schema = {**schema, "x-guidance": {**own, **options}}
             # (ensure_ascii=False: llguidance reads a character beyond the BMP escaped as a
             # surrogate pair as two lone surrogates, a grammar no token can follow)
             text = schema if isinstance(schema, str) else json.dumps(

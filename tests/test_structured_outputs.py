@@ -197,6 +197,40 @@ def test_text_no_token_can_write_fails_the_request_when_the_grammar_reaches_it(l
     assert allowed[0].nonzero().flatten().tolist() == tokenizer.convert_tokens_to_ids(["c"])
 
 
+def _writes(tokenizer, params: StructuredOutputsParams, text: str) -> bool:
+    """Whether the grammar lets the tokens of this text be written, whole."""
+    import llguidance
+
+    from cpullm.structured_output import grammar_of, llg_tokenizer
+
+    matcher = llguidance.LLMatcher(llg_tokenizer(tokenizer), grammar_of(params))
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    return matcher.consume_tokens(tokens) and matcher.is_accepting()
+
+
+def test_json_whitespace_is_bounded_and_can_be_chosen(llm):
+    """Pretty-printed JSON is written; blank lines are not (a sampled model would otherwise
+    spend max_tokens on them); whitespace_pattern and disable_any_whitespace change it,
+    and a schema's own x-guidance options win."""
+    tokenizer = llm.get_tokenizer()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"},
+                                               "b": {"type": "array"}}}
+    default = StructuredOutputsParams(json=schema)
+    pretty = json.dumps({"a": 1, "b": [1, [2]]}, indent=4)
+    assert _writes(tokenizer, default, pretty)
+    assert _writes(tokenizer, default, '{"a":1, "b":[ 1 ]}')
+    assert not _writes(tokenizer, default, '{"a": 1,\n\n"b": []}')
+    assert not _writes(tokenizer, default, '{"a": 1' + " " * 65 + "}")
+    compact = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    assert _writes(tokenizer, compact, '{"a":1,"b":[]}')
+    assert not _writes(tokenizer, compact, pretty)
+    blank_lines = StructuredOutputsParams(json=json.dumps(schema), whitespace_pattern=r"\n+")
+    assert _writes(tokenizer, blank_lines, '{"a":1,\n\n\n"b":[]}')
+    assert not _writes(tokenizer, blank_lines, '{"a": 1}')
+    own = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    assert not _writes(tokenizer, StructuredOutputsParams(json=own), pretty)
+
+
 def test_structured_outputs_params_take_exactly_one_kind():
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams()

@@ -135,8 +135,7 @@ class _SamplingFields(_Refusing):
     # vLLM's: prefix-cache blocks are shared only between requests with the same salt
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and vLLM's
-    # older guided_* spellings (the backend and whitespace fields are accepted; llguidance
-    # runs them all)
+    # older guided_* spellings (the backend field is accepted; llguidance runs them all)
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -167,7 +166,8 @@ class _SamplingFields(_Refusing):
             ("choice", self.guided_choice), ("grammar", self.guided_grammar))
             if value is not None}
         if guided:
-            given.append(StructuredOutputsParams(**guided))
+            given.append(StructuredOutputsParams(
+                **guided, whitespace_pattern=self.guided_whitespace_pattern))
         if len(given) > 1:
             raise ValueError("structured_outputs: give one of response_format, "
                              "structured_outputs and the guided_* fields")
