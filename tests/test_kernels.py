@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpullm.model_executor.layers.ops import load_ops
+from cpullm.model_executor.layers.ops import amx_tiles_usable, load_ops
 from cpullm.platform import cpu_info
 
 ops = load_ops()
@@ -33,7 +33,12 @@ def test_kernels_build():
     (8, 2, 64, 50, 0.0, True),     # gpt-oss: a sink logit per head, a window
     (12, 1, 64, 0, 0.0, True),     # sinks in the generic kernel
 ])
-def test_decode_attention_matches_sdpa(dtype, heads, kv_heads, dim, window, softcap, sinks):
+@pytest.mark.parametrize("kernel", ["decode_attention", "decode_attention_amx"])
+def test_decode_attention_matches_sdpa(kernel, dtype, heads, kv_heads, dim, window, softcap,
+                                       sinks):
+    if kernel == "decode_attention_amx" and not (ops.decode_attention_amx is not None
+                                                 and amx_tiles_usable(ops)):
+        pytest.skip("the AMX decode attention needs AMX-BF16 tiles")
     torch.manual_seed(0)
     seqs, block, blocks = 5, 32, 40
     key_cache = torch.randn(blocks, block, kv_heads, dim, dtype=dtype)
@@ -44,7 +49,7 @@ def test_decode_attention_matches_sdpa(dtype, heads, kv_heads, dim, window, soft
     q = torch.randn(seqs, (heads + 2) * dim, dtype=dtype)[:, :heads * dim].view(seqs, heads, dim)
     out = torch.empty(seqs, heads, dim, dtype=dtype)
     sink = torch.randn(heads) * 2 if sinks else None
-    ops.decode_attention(out, q, key_cache, value_cache, tables, lens, dim ** -0.5, window,
+    getattr(ops, kernel)(out, q, key_cache, value_cache, tables, lens, dim ** -0.5, window,
                          softcap, sink)
     keys = key_cache[tables].view(seqs, -1, kv_heads, dim).transpose(1, 2).float()
     values = value_cache[tables].view(seqs, -1, kv_heads, dim).transpose(1, 2).float()

@@ -1,10 +1,12 @@
 // Paged decode attention (one query per sequence, keys and values read in place from the
 // KV cache blocks) and the causal softmax of prompt-chunk attention.
+#include "amx.h"
 #include "ops.h"
 #include "vec.h"
 
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace cpullm {
@@ -216,6 +218,115 @@ void paged_scores_bf16(float* scores, const __m512bh* q, int64_t group, float sc
   }
 }
 
+// The query group of one KV head as the B operands of TDPBF16PS: for each 32 dimensions c,
+// 16 rows (dimension pairs) of 16 columns (query heads, zero past the group) of 32-bit
+// pairs: words[c][r][g] = (q_g[32c + 2r], q_g[32c + 2r + 1]).
+inline void query_tiles(int32_t* words, const c10::BFloat16* q, int64_t group, int64_t head_dim) {
+  const int64_t chunks = head_dim / 32;
+  std::fill(words, words + chunks * 256, 0);
+  for (int64_t g = 0; g < group; ++g) {
+    const auto* qg = reinterpret_cast<const int32_t*>(q + g * head_dim);
+    for (int64_t w = 0; w < chunks * 16; ++w) words[(w / 16) * 256 + (w % 16) * 16 + g] = qg[w];
+  }
+}
+
+// (the tile of an AMX instruction is part of its text: a constant C picks a case)
+template <int C>
+__attribute__((target("amx-tile,amx-bf16"))) inline void load_query_tile(const int32_t* words) {
+  const int32_t* w = words + 256 * C;
+  switch (C) {
+    case 0: _tile_loadd(2, w, 64); break;
+    case 1: _tile_loadd(3, w, 64); break;
+    case 2: _tile_loadd(4, w, 64); break;
+    case 3: _tile_loadd(5, w, 64); break;
+    case 4: _tile_loadd(6, w, 64); break;
+    case 5: _tile_loadd(7, w, 64); break;
+  }
+}
+
+// tmm0 += a's 32-dimension chunk C (into tmm1; rows `stride` bytes apart) times the query's
+// (kept in tmm2 + C for up to 6 chunks; past that, loaded into tmm2 for each).
+template <int CH, int C>
+__attribute__((target("amx-tile,amx-bf16"))) inline void chunk_scores(
+    const c10::BFloat16* a, int64_t stride, const int32_t* words) {
+  _tile_loadd(1, a + 32 * C, stride);
+  if constexpr (CH > 6) {
+    _tile_loadd(2, words + 256 * C, 64);
+    _tile_dpbf16ps(0, 1, 2);
+    return;
+  }
+  switch (C) {
+    case 0: _tile_dpbf16ps(0, 1, 2); break;
+    case 1: _tile_dpbf16ps(0, 1, 3); break;
+    case 2: _tile_dpbf16ps(0, 1, 4); break;
+    case 3: _tile_dpbf16ps(0, 1, 5); break;
+    case 4: _tile_dpbf16ps(0, 1, 6); break;
+    case 5: _tile_dpbf16ps(0, 1, 7); break;
+  }
+}
+
+// tmm0 = the scores of 16 tokens (rows of a) against the query: 16 x 16 (tokens x query
+// heads) float32.
+template <int CH, int... C>
+__attribute__((target("amx-tile,amx-bf16"))) inline void tile_scores(
+    const c10::BFloat16* a, int64_t stride, const int32_t* words,
+    std::integer_sequence<int, C...>) {
+  _tile_zero(0);
+  (chunk_scores<CH, C>(a, stride, words), ...);
+}
+
+template <int... C>
+__attribute__((target("amx-tile,amx-bf16"))) inline void load_query_tiles(
+    const int32_t* words, std::integer_sequence<int, C...>) {
+  (load_query_tile<C>(words), ...);
+}
+
+// paged_scores_bf16 on AMX tiles: a tile of 16 tokens' keys, read where they lie in their
+// block, times the query tiles gives 16 x 16 scores (tokens x query heads) at once, with no
+// reduction across lanes. A tile that would run past its block's end (a short block, a
+// window's start) is copied first. The tile configuration must be loaded.
+template <int CH>
+__attribute__((target("amx-tile,amx-bf16"))) void paged_scores_amx(
+    float* scores, const int32_t* words, int64_t group, float scale, const c10::BFloat16* kp,
+    const c10::BFloat16* vp, const int64_t* bt, int64_t first, int64_t len, int64_t block_size,
+    int64_t block_stride, int64_t token_stride, NextItemPrefetch& next_item) {
+  using Chunks = std::make_integer_sequence<int, CH>;
+  if constexpr (CH <= 6) load_query_tiles(words, Chunks{});
+  alignas(64) float product[16 * 16];
+  alignas(64) c10::BFloat16 staging[16 * CH * 32];
+  const int64_t n = len - first;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176,
+                                           192, 208, 224, 240);
+  for (int64_t t = first; t < len;) {
+    const int64_t off = t % block_size, run = std::min(len - t, block_size - off);
+    const int64_t base = bt[t / block_size] * block_stride + off * token_stride;
+    const c10::BFloat16* k = kp + base;
+    const c10::BFloat16* v = vp + base;
+    for (int64_t i = 0; i < run; i += 16) {
+      const int64_t m = std::min<int64_t>(16, run - i);
+      next_item.step(m);
+      for (int64_t j = i; j < i + m; ++j) prefetch_row(v + j * token_stride, CH * 64);
+      const c10::BFloat16* a = k + i * token_stride;
+      int64_t stride = token_stride * 2;
+      if (off + i + 16 > block_size) {  // rows past m are read but their scores dropped
+        for (int64_t j = 0; j < m; ++j)
+          std::memcpy(staging + j * CH * 32, a + j * token_stride, CH * 64);
+        a = staging;
+        stride = CH * 64;
+      }
+      tile_scores<CH>(a, stride, words, Chunks{});
+      _tile_stored(0, product, 64);
+      const __mmask16 valid = static_cast<__mmask16>((1u << m) - 1);
+      float* row = scores + (t - first) + i;
+      for (int64_t g = 0; g < group; ++g)
+        _mm512_mask_storeu_ps(row + g * n, valid,
+                              _mm512_mul_ps(_mm512_i32gather_ps(column, product + g, 4), vscale));
+    }
+    t += run;
+  }
+}
+
 // acc[g, d0:d0 + 16W] = sum over t of probs[g * n + (t - first)] * v_t[d0:d0 + 16W], the
 // G x W accumulators in registers for the whole sequence.
 template <int G, int W>
@@ -250,15 +361,19 @@ void paged_values_bf16(float* acc, int64_t head_dim, const float* probs,
 using PagedScoresFn = void (*)(float*, const __m512bh*, int64_t, float, const c10::BFloat16*,
                                const c10::BFloat16*, const int64_t*, int64_t, int64_t, int64_t,
                                int64_t, int64_t, NextItemPrefetch&);
+using AmxScoresFn = void (*)(float*, const int32_t*, int64_t, float, const c10::BFloat16*,
+                             const c10::BFloat16*, const int64_t*, int64_t, int64_t, int64_t,
+                             int64_t, int64_t, NextItemPrefetch&);
 using PagedValuesFn = void (*)(float*, int64_t, const float*, const c10::BFloat16*,
                                const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t);
 
 // bfloat16 decode attention for head_dim a multiple of 32 up to 256 and up to 8 query heads
-// per KV head; returns false (nothing written) for other shapes.
+// per KV head, the scores on AMX tiles or not; returns false (nothing written) for other
+// shapes.
 bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, double scale, int64_t window,
-                           double softcap, const float* sinks) {
+                           double softcap, const float* sinks, bool amx) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, chunks = head_dim / 32;
@@ -275,7 +390,12 @@ bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tenso
       nullptr, paged_values_bf16<1, 2>, paged_values_bf16<2, 2>, paged_values_bf16<3, 2>,
       paged_values_bf16<4, 2>, paged_values_bf16<5, 2>, paged_values_bf16<6, 2>,
       paged_values_bf16<7, 2>, paged_values_bf16<8, 2>};
+  static constexpr AmxScoresFn kScoresAmx[] = {
+      nullptr, paged_scores_amx<1>, paged_scores_amx<2>, paged_scores_amx<3>,
+      paged_scores_amx<4>, paged_scores_amx<5>, paged_scores_amx<6>, paged_scores_amx<7>,
+      paged_scores_amx<8>};
   const PagedScoresFn scores_fn = kScores[chunks];
+  const AmxScoresFn amx_scores_fn = kScoresAmx[chunks];
   const PagedValuesFn values_fn =
       (head_dim % 64 == 0 && group <= 6) ? kValues4[group] : kValues2[group];
 
@@ -292,14 +412,20 @@ bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tenso
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(group * head_dim);
     __m512bh query[64];
+    alignas(64) int32_t words[8 * 256];
+    if (amx) load_tile_config();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
       const int64_t len = lens[s];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
       const c10::BFloat16* qs = qp + s * q_stride + kvh * group * head_dim;
-      for (int64_t i = 0; i < group * chunks; ++i)
-        query[i] = (__m512bh)_mm512_loadu_si512(qs + i * 32);
+      if (amx) {
+        query_tiles(words, qs, group, head_dim);
+      } else {
+        for (int64_t i = 0; i < group * chunks; ++i)
+          query[i] = (__m512bh)_mm512_loadu_si512(qs + i * 32);
+      }
       scores.resize(group * n);
       NextItemPrefetch next_item;
       if (item + 1 < end) {
@@ -309,9 +435,15 @@ bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tenso
                      window > 0 ? std::max<int64_t>(0, len2 - window) : 0, len2, block_size,
                      block_stride, token_stride, head_dim * 2};
       }
-      scores_fn(scores.data(), query, group, fscale, kp + kvh * head_dim, vp + kvh * head_dim,
-                bt + s * max_blocks, first, len, block_size, block_stride, token_stride,
-                next_item);
+      if (amx) {
+        amx_scores_fn(scores.data(), words, group, fscale, kp + kvh * head_dim,
+                      vp + kvh * head_dim, bt + s * max_blocks, first, len, block_size,
+                      block_stride, token_stride, next_item);
+      } else {
+        scores_fn(scores.data(), query, group, fscale, kp + kvh * head_dim, vp + kvh * head_dim,
+                  bt + s * max_blocks, first, len, block_size, block_stride, token_stride,
+                  next_item);
+      }
       next_item.step(next_item.len);  // what the scores did not reach (a longer next item)
       if (softcap > 0) soft_cap(scores.data(), group * n, static_cast<float>(softcap));
       for (int64_t g = 0; g < group; ++g)
@@ -322,6 +454,7 @@ bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tenso
       for (int64_t i = 0; i < group * head_dim; i += 16)
         bf16x16_store(dst + i, _mm512_loadu_ps(acc.data() + i));
     }
+    if (amx) release_tiles();
   });
   return true;
 }
@@ -329,9 +462,12 @@ bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tenso
 
 }  // namespace
 
-void decode_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
-                      at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                      int64_t window, double softcap, c10::optional<at::Tensor> sinks) {
+namespace {
+
+void decode_attention_any(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
+                          const at::Tensor& value_cache, const at::Tensor& block_tables,
+                          const at::Tensor& seq_lens, double scale, int64_t window,
+                          double softcap, const c10::optional<at::Tensor>& sinks, bool amx) {
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "decode_attention: bad q layout");
   TORCH_CHECK(out.is_contiguous() && key_cache.is_contiguous() &&
               value_cache.is_contiguous() && block_tables.is_contiguous() &&
@@ -340,7 +476,7 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Te
 #if defined(__AVX512BF16__)
   if (q.scalar_type() == at::kBFloat16 &&
       decode_attention_bf16(out, q, key_cache, value_cache, block_tables, seq_lens, scale, window,
-                            softcap, sp))
+                            softcap, sp, amx))
     return;
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
@@ -348,6 +484,28 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Te
                                     scale, window, softcap, sp);
   });
 }
+
+}  // namespace
+
+void decode_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
+                      at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                      int64_t window, double softcap, c10::optional<at::Tensor> sinks) {
+  decode_attention_any(out, q, key_cache, value_cache, block_tables, seq_lens, scale, window,
+                       softcap, sinks, false);
+}
+
+#if defined(__AVX512BF16__)
+// decode_attention with the scores of bfloat16 caches on AMX tiles (other dtypes and shapes
+// as decode_attention).
+void decode_attention_amx(at::Tensor out, at::Tensor q, at::Tensor key_cache,
+                          at::Tensor value_cache, at::Tensor block_tables, at::Tensor seq_lens,
+                          double scale, int64_t window, double softcap,
+                          c10::optional<at::Tensor> sinks) {
+  TORCH_CHECK(amx_permitted(), "decode_attention_amx: the OS gives this process no AMX tiles");
+  decode_attention_any(out, q, key_cache, value_cache, block_tables, seq_lens, scale, window,
+                       softcap, sinks, true);
+}
+#endif
 
 #if defined(__AVX512BF16__)
 // Causal softmax of prompt-chunk attention scores, in place, bfloat16 in and out:

@@ -15,6 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "gemm_bf16 for several packed weights, each on its own run of rows, in one call");
   m.def("amx_bf16_ready", &cpullm::amx_bf16_ready,
         "whether this process may use AMX tiles (asks the OS once); only where the CPU has them");
+  m.def("decode_attention_amx", &cpullm::decode_attention_amx,
+        "decode_attention with the scores on AMX tiles; only where amx_bf16_ready()");
   m.def("gemm_bf16_amx", &cpullm::gemm_bf16_amx,
         "gemm_bf16 on AMX tiles, on the same packed panels; K a multiple of 32");
   m.def("prefill_softmax_bf16", &cpullm::prefill_softmax_bf16,

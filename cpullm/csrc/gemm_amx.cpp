@@ -12,12 +12,11 @@
 // and the panel a thread takes next is prefetched while the first rows run over this one.
 // The float32 accumulators leave through a small buffer into the same stores as gemm_bf16
 // (bias, silu(gate) * up), so both GEMMs round their outputs alike.
+#include "amx.h"
 #include "gemm_tiles.h"
 #include "ops.h"
 
 #include <ATen/Parallel.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <cstring>
 #include <vector>
@@ -31,38 +30,7 @@ constexpr int64_t kAmxBlockBytes = 1 << 20;  // the rows of x a row block keeps 
 constexpr int64_t kAmxDeepK = 1024;  // above: K in slices (see gemm_bf16_amx)
 constexpr int64_t kAmxSliceK = 2048;
 
-// Linux gives a process the AMX tile state only on request (arch_prctl, XTILEDATA).
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile in use is 16 rows of 64 bytes: tmm0-3 the accumulators, tmm4-5 x, tmm6-7 the
-// panel.
-__attribute__((target("amx-tile,amx-bf16"))) void load_tile_config() {
-  static const TileConfig config = [] {
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) {
-      c.colsb[t] = 64;
-      c.rows[t] = 16;
-    }
-    return c;
-  }();
-  // ldtilecfg reads the 64 bytes, which the compiler does not see: keep them in memory.
-  asm volatile("" : : "r"(&config) : "memory");
-  _tile_loadconfig(&config);
-}
+// Tiles (amx.h): tmm0-3 the accumulators, tmm4-5 x, tmm6-7 the panel.
 
 // acc [32][32] float32 = tiles of x (a0: rows 0-15, a1: rows 16-31, each with its own
 // stride in bytes) times one panel, over k2 pairs of k (a multiple of 16). TWO: both row
@@ -113,8 +81,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panel(
     _tile_stored(3, acc + 16 * 32 + 16, 128);
   }
 }
-
-__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 
 }  // namespace
 

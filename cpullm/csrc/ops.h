@@ -41,6 +41,12 @@ void gemm_bf16_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> pan
 bool amx_bf16_ready();
 void gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias,
                    bool silu_mul);
+// attention.cpp: decode_attention with its scores on AMX tiles (as above, where
+// amx_bf16_ready())
+void decode_attention_amx(at::Tensor out, at::Tensor q, at::Tensor key_cache,
+                          at::Tensor value_cache, at::Tensor block_tables, at::Tensor seq_lens,
+                          double scale, int64_t window, double softcap,
+                          c10::optional<at::Tensor> sinks);
 #endif
 
 // quant_gemm.cpp: x @ W.T with W kept quantized (u, scales, mins or a zero point)

@@ -25,7 +25,7 @@ CSRC = os.path.normpath(os.path.join(os.path.dirname(__file__), os.pardir, os.pa
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 SOURCES = ("attention.cpp", "gemm.cpp", "gemm_amx.cpp", "quant_gemm.cpp", "fp8_gemm.cpp",
            "pointwise.cpp", "sampling.cpp", "threads.cpp", "bindings.cpp")
-HEADERS = ("gemm_tiles.h", "ops.h", "vec.h")
+HEADERS = ("amx.h", "gemm_tiles.h", "ops.h", "vec.h")
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,9 @@ class KernelTable:
     silu_and_mul_bf16: Kernel | None
     gemm_bf16: Kernel | None
     gemm_bf16_grouped: Kernel | None
-    amx_bf16_ready: Kernel | None  # compiled with AVX-512 BF16; runs only on AMX CPUs
+    amx_bf16_ready: Kernel | None  # compiled with AVX-512 BF16; see amx_tiles_usable()
     gemm_bf16_amx: Kernel | None
+    decode_attention_amx: Kernel | None
     prefill_softmax_bf16: Kernel | None
     quant_gemm: Kernel | None  # AVX-512 VNNI
     quant_gemm_grouped: Kernel | None
@@ -74,6 +75,13 @@ class KernelTable:
         """The kernels this build has."""
         return [f.name for f in fields(self)
                 if f.name != "module" and getattr(self, f.name) is not None]
+
+
+def amx_tiles_usable(table: KernelTable) -> bool:
+    """Whether the AMX kernels run here: the CPU has AMX-BF16, this build has the kernels
+    (compiled with AVX-512 BF16), and the OS grants this process the tile state."""
+    return "amx_bf16" in cpu_info().flags and table.amx_bf16_ready is not None \
+        and bool(table.amx_bf16_ready())
 
 
 def build_name() -> str:

@@ -13,7 +13,7 @@ from torch import nn
 
 from cpullm.logger import init_logger
 from cpullm.model_executor.layers.activation import SiluAndMul
-from cpullm.model_executor.layers.ops import KernelTable
+from cpullm.model_executor.layers.ops import KernelTable, amx_tiles_usable
 from cpullm.model_executor.layers.quantization import LinearMethod
 from cpullm.platform.cpu import cpu_info
 
@@ -75,8 +75,7 @@ def _has_amx() -> bool:
 
 def _amx_runs(ops: KernelTable) -> bool:
     """Whether this build has the AMX GEMM and the OS lets this process use the tiles."""
-    return ops.gemm_bf16_amx is not None and ops.amx_bf16_ready is not None \
-        and bool(ops.amx_bf16_ready())
+    return ops.gemm_bf16_amx is not None and amx_tiles_usable(ops)
 
 
 class GemmPath(enum.Enum):
