@@ -4,6 +4,7 @@
 #include "ops.h"
 #include "vec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <utility>
@@ -14,6 +15,37 @@ namespace cpullm {
 namespace {
 
 constexpr float kNoSink = -std::numeric_limits<float>::infinity();
+
+// Runs body(begin, end) over contiguous ranges of items [0, n), one range per thread, of
+// about equal cost, where at::parallel_for would split by count: a decode item's cost is its
+// sequence's context, and a thread holding the long ones keeps the others waiting.
+// cost(i) >= 0 is item i's.
+template <typename Cost, typename Body>
+void parallel_by_cost(int64_t n, Cost&& cost, Body&& body) {
+  std::vector<int64_t> prefix(n + 1, 0);  // prefix[i]: the cost of items [0, i)
+  for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + cost(i);
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  auto start = [&](int64_t t) {  // the first item of thread t's range
+    if (t == 0 || t == threads) return t == 0 ? int64_t{0} : n;
+    return static_cast<int64_t>(
+        std::lower_bound(prefix.begin(), prefix.end(), prefix[n] * t / threads) -
+        prefix.begin());
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t begin = start(t), end = start(t + 1);
+      if (begin < end) body(begin, end);
+    }
+  });
+}
+
+// A decode item's (a sequence's KV head) cost: the tokens it reads, plus about 16 tokens'
+// worth of setup.
+inline int64_t decode_cost(const int64_t* lens, int64_t item, int64_t num_kv_heads,
+                           int64_t window) {
+  const int64_t len = lens[item / num_kv_heads];
+  return (window > 0 ? std::min(len, window) : len) + 16;
+}
 
 // The sink logits of attention sinks, one float32 per query head, or nullptr.
 const float* sink_logits(const c10::optional<at::Tensor>& sinks, int64_t num_heads) {
@@ -127,7 +159,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t block_stride = block_size * token_stride;  // between blocks
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  auto cost = [&](int64_t item) { return decode_cost(lens, item, num_kv_heads, window); };
+  parallel_by_cost(num_seqs * num_kv_heads, cost, [&](int64_t begin, int64_t end) {
     std::vector<float> query(group * head_dim), acc(group * head_dim), scores;
     std::vector<float> key(head_dim), value(head_dim);
     for (int64_t item = begin; item < end; ++item) {
@@ -409,7 +442,8 @@ bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  auto cost = [&](int64_t item) { return decode_cost(lens, item, num_kv_heads, window); };
+  parallel_by_cost(num_seqs * num_kv_heads, cost, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(group * head_dim);
     __m512bh query[64];
     alignas(64) int32_t words[8 * 256];
