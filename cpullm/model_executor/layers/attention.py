@@ -151,8 +151,8 @@ class PagedAttention(nn.Module):
         if nd and self.decode_attention is not None:
             # Reads each sequence's blocks in place: no gather, no padding.
             self.decode_attention(out[:nd], q[:nd], key_cache, value_cache,
-                                      meta.decode_block_tables[group], meta.decode_seq_lens,
-                                      self.scale, window, self.softcap, sinks)
+                                  meta.decode_block_tables[group], meta.decode_seq_lens,
+                                  self.scale, window, self.softcap, sinks)
         elif nd:
             out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta, window, sinks)
         if nd < q.shape[0]:
