@@ -514,10 +514,12 @@ def test_fp8_block_scales_dequantize_per_block():
                                          n, k)
 
 
-def _fp8_kernels() -> tuple[object, list[str]]:
+def _fp8_kernels(kept: Float8Weight) -> tuple[object, list[str]]:
+    """The kernels that can run ``kept`` here (AMX tiles take K a multiple of 32)."""
     ops, _ = quantized_kernels()
     runs = Float8Weight.kernels_run(ops, torch.bfloat16)
-    return ops, ["torch", *(["dot", "panels"] if runs else [])]
+    amx = runs and kept.amx_runs(ops)
+    return ops, ["torch", *(["dot", "panels"] if runs else []), *(["amx"] if amx else [])]
 
 
 def test_fp8_kernel_dequantizes_every_e4m3_value_exactly():
@@ -536,7 +538,7 @@ def test_fp8_kernel_dequantizes_every_e4m3_value_exactly():
     expected = groups.dequantize().bfloat16()
     assert torch.equal(kept.dequantize(torch.bfloat16), expected)
     eye = torch.eye(k, dtype=torch.bfloat16)
-    ops, kernels = _fp8_kernels()
+    ops, kernels = _fp8_kernels(kept)
     for kernel in kernels:
         out = torch.empty(k, n, dtype=torch.bfloat16)
         kept.matmul_into(out, eye, None, ops, kernel=kernel)
@@ -588,7 +590,7 @@ def test_fp8_kernels_match_dequantized_reference(case, rows):
     x = torch.randn(rows, k, generator=gen).bfloat16()
     bias = torch.randn(n, generator=gen).bfloat16()
     expected = x.float() @ reference.T + bias.float()
-    ops, kernels = _fp8_kernels()
+    ops, kernels = _fp8_kernels(kept)
     for kernel in kernels:
         wide = torch.zeros(rows, n + 32, dtype=torch.bfloat16)
         kept.matmul_into(wide[:, 16:16 + n], x, bias, ops, kernel=kernel)

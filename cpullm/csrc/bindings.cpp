@@ -32,10 +32,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
   m.def("quant_gemm_bf16", &cpullm::quant_gemm_bf16,
         "x @ w.T with w kept quantized, dequantized 32 rows at a time into the bf16 GEMM");
+  m.def("quant_gemm_bf16_amx", &cpullm::quant_gemm_bf16_amx,
+        "quant_gemm_bf16 on AMX tiles (K a multiple of 32); only where amx_bf16_ready()");
 #endif
 #if defined(__AVX512BW__) && defined(__AVX512BF16__)
   m.def("fp8_gemm_bf16", &cpullm::fp8_gemm_bf16,
         "x @ w.T with w kept in FP8 (e4m3), dequantized 32 rows at a time into the bf16 GEMM");
+  m.def("fp8_gemm_bf16_amx", &cpullm::fp8_gemm_bf16_amx,
+        "fp8_gemm_bf16's panels on AMX tiles (K a multiple of 32); only where amx_bf16_ready()");
 #endif
   m.def("rotary_embedding", &cpullm::rotary_embedding, "rotate-half rotary embedding, in place");
   m.def("cache_kv", &cpullm::cache_kv, "write a step's keys and values into their cache slots");

@@ -171,8 +171,12 @@ void dot_gemm(at::Tensor& out, const at::Tensor& x, const uint8_t* data, const f
 
 }  // namespace
 
-void fp8_gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
-                   int64_t block, c10::optional<at::Tensor> bias, bool dot) {
+namespace {
+
+// fp8_gemm_bf16 below; amx: its panels on AMX tiles.
+void fp8_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& data,
+              const at::Tensor& scales, int64_t block, const c10::optional<at::Tensor>& bias,
+              bool dot, bool amx) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
               "fp8_gemm_bf16: bfloat16 x and out expected");
   TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() &&
@@ -197,9 +201,25 @@ void fp8_gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor sca
     dot_gemm(out, x, dp, sp, blocks, block, bias);
     return;
   }
-  gemm_on_panels(out, x, n, bias, [&](int64_t p, int32_t* panel) {
+  auto dequantize = [&](int64_t p, int32_t* panel) {
     dequantize_panel(dp, sp, k, blocks, block, p, panel);
-  });
+  };
+  if (amx)
+    gemm_on_panels_amx(out, x, n, bias, dequantize);
+  else
+    gemm_on_panels(out, x, n, bias, dequantize);
+}
+
+}  // namespace
+
+void fp8_gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
+                   int64_t block, c10::optional<at::Tensor> bias, bool dot) {
+  fp8_gemm(out, x, data, scales, block, bias, dot, false);
+}
+
+void fp8_gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
+                       int64_t block, c10::optional<at::Tensor> bias) {
+  fp8_gemm(out, x, data, scales, block, bias, false, true);
 }
 #endif
 

@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstring>
+#include <functional>
 #include <vector>
 
 namespace cpullm {
@@ -82,9 +83,90 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panel(
   }
 }
 
+// x's rows as A operands: rows [r, r + 16) where they lie; the last rows past a multiple
+// of 16 copied into a zero-padded whole tile, since a tile load reads 16 rows and there may
+// be no memory after x's last row.
+class RowTiles {
+ public:
+  RowTiles(const c10::BFloat16* x, int64_t ldx, int64_t m, int64_t k)
+      : x_(x), ldx_(ldx), k_(k), full_(m - m % 16), tail_(m % 16 ? 16 * k : 0) {
+    for (int64_t r = full_; r < m; ++r)
+      std::memcpy(tail_.data() + (r - full_) * k, x + r * ldx, k * sizeof(c10::BFloat16));
+  }
+
+  // Rows [r, r + 16) (r a multiple of 16); stride: bytes between them.
+  const c10::BFloat16* at(int64_t r, int64_t& stride) const {
+    stride = r < full_ ? ldx_ * 2 : k_ * 2;
+    return r < full_ ? x_ + r * ldx_ : tail_.data();
+  }
+
+ private:
+  const c10::BFloat16* x_;
+  int64_t ldx_, k_, full_;
+  std::vector<c10::BFloat16> tail_;
+};
+
+// rows rows of a panel's float32 product (32 columns a row) stored as bfloat16 rows ldo
+// apart, with the panel's 32 bias values (or none) added; silu_mul: 16 gate and 16 up
+// columns become 16 of silu(gate) * up.
+void store_product(const float* acc, int64_t rows, const c10::BFloat16* bias, bool silu_mul,
+                   c10::BFloat16* out, int64_t ldo) {
+  __m512 bias_lo = _mm512_setzero_ps(), bias_hi = _mm512_setzero_ps();
+  if (bias != nullptr) {
+    bias_lo = bf16x16_load(bias);
+    bias_hi = bf16x16_load(bias + 16);
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m512 lo = _mm512_loadu_ps(acc + i * 32), hi = _mm512_loadu_ps(acc + i * 32 + 16);
+    if (silu_mul)
+      store_panel_row<true>(out + i * ldo, lo, hi, bias_lo, bias_hi);
+    else
+      store_panel_row<false>(out + i * ldo, lo, hi, bias_lo, bias_hi);
+  }
+}
+
 }  // namespace
 
 bool amx_bf16_ready() { return amx_permitted(); }
+
+// gemm_on_panels (gemm_tiles.h) on AMX tiles: each thread dequantizes its panels one at a
+// time into the packed layout, which is the tiles' B operand as it lies, and runs every 32
+// rows of x over each.
+void gemm_on_panels_amx(at::Tensor& out, const at::Tensor& x, int64_t n,
+                        const c10::optional<at::Tensor>& bias,
+                        const std::function<void(int64_t, int32_t*)>& dequantize) {
+  TORCH_CHECK(amx_permitted(), "gemm_on_panels_amx: the OS gives this process no AMX tiles");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % 32 == 0, "gemm_on_panels_amx: K must be a multiple of 32 (the tile depth)");
+  if (m == 0) return;
+  const RowTiles tiles(x.data_ptr<c10::BFloat16>(), x.stride(0), m, k);
+  const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  const int64_t ldo = out.stride(0);
+  at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
+    load_tile_config();
+    std::vector<int32_t> panel(16 * k);  // [k / 2][32] pairs
+    const auto* pp = reinterpret_cast<const c10::BFloat16*>(panel.data());
+    alignas(64) float acc[32 * 32];
+    for (int64_t p = begin; p < end; ++p) {
+      dequantize(p, panel.data());
+      for (int64_t r = 0; r < m; r += 32) {
+        const int64_t rows = std::min<int64_t>(32, m - r);
+        int64_t lda0 = 0, lda1 = 0;
+        const c10::BFloat16* a0 = tiles.at(r, lda0);
+        if (rows > 16) {
+          const c10::BFloat16* a1 = tiles.at(r + 16, lda1);
+          amx_panel<true>(a0, lda0, a1, lda1, pp, k / 2, nullptr, 0, 0, acc);
+        } else {
+          amx_panel<false>(a0, lda0, nullptr, 0, pp, k / 2, nullptr, 0, 0, acc);
+        }
+        store_product(acc, rows, bp != nullptr ? bp + 32 * p : nullptr, false,
+                      op + r * ldo + 32 * p, ldo);
+      }
+    }
+    release_tiles();
+  });
+}
 
 // gemm_bf16's product on AMX tiles: the same panels, bias and silu_mul, for any number of
 // rows; K (twice the panels' second size) must be a multiple of 32.
@@ -106,31 +188,10 @@ void gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optiona
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   const int64_t ldx = x.stride(0), panel_size = k2 * 64, num_panels = n / 32;
-  // The last rows past a multiple of 16, zero-padded to a whole tile: a tile load reads 16
-  // rows, and there may be no memory after x's last row.
-  const int64_t full = m - m % 16;
-  std::vector<c10::BFloat16> tail(m % 16 ? 16 * k : 0);
-  for (int64_t r = full; r < m; ++r)
-    std::memcpy(tail.data() + (r - full) * k, xp + r * ldx, k * sizeof(c10::BFloat16));
-  auto row_tile = [&](int64_t r, int64_t& stride) {  // rows [r, r + 16) as a tile operand
-    stride = r < full ? ldx * 2 : k * 2;
-    return r < full ? xp + r * ldx : tail.data();
-  };
+  const RowTiles tiles(xp, ldx, m, k);
+  auto row_tile = [&](int64_t r, int64_t& stride) { return tiles.at(r, stride); };
   auto store_rows = [&](const float* acc, int64_t rows, int64_t p, c10::BFloat16* o) {
-    __m512 bias_lo = _mm512_setzero_ps(), bias_hi = _mm512_setzero_ps();
-    if (bp != nullptr) {
-      bias_lo = bf16x16_load(bp + p * 32);
-      bias_hi = bf16x16_load(bp + p * 32 + 16);
-    }
-    for (int64_t i = 0; i < rows; ++i) {
-      const float* row = acc + i * 32;
-      if (silu_mul)
-        store_panel_row<true>(o + i * width, _mm512_loadu_ps(row), _mm512_loadu_ps(row + 16),
-                              bias_lo, bias_hi);
-      else
-        store_panel_row<false>(o + i * width, _mm512_loadu_ps(row), _mm512_loadu_ps(row + 16),
-                               bias_lo, bias_hi);
-    }
+    store_product(acc, rows, bp != nullptr ? bp + p * 32 : nullptr, silu_mul, o, width);
   };
   // The 32-row tiles of rows [r0, r1) over k pairs [kc, kc + depth) of a panel (panel: at
   // pair kc): tile r's float32 product goes to acc_of(r), added to what it holds if

@@ -5,6 +5,7 @@
 #include "vec.h"
 
 #include <array>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -98,6 +99,12 @@ void gemm_on_panels(at::Tensor& out, const at::Tensor& x, int64_t n,
     }
   });
 }
+
+// gemm_on_panels on AMX tiles (gemm_amx.cpp), for K a multiple of 32 where
+// amx_bf16_ready(): dequantize(p, panel) as above.
+void gemm_on_panels_amx(at::Tensor& out, const at::Tensor& x, int64_t n,
+                        const c10::optional<at::Tensor>& bias,
+                        const std::function<void(int64_t, int32_t*)>& dequantize);
 
 #endif
 

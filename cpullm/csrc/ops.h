@@ -63,12 +63,19 @@ void quant_gemm_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> da
 void quant_gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                      c10::optional<at::Tensor> mins, int64_t bits, int64_t block, int64_t zero,
                      c10::optional<at::Tensor> bias);
+// the same with the panels on AMX tiles (K a multiple of 32; where amx_bf16_ready())
+void quant_gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
+                         c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
+                         int64_t zero, c10::optional<at::Tensor> bias);
 #endif
 
 // fp8_gemm.cpp: x @ W.T with W kept in FP8 (e4m3 bytes, a float32 scale per row and block)
 #if defined(__AVX512BW__) && defined(__AVX512BF16__)
 void fp8_gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                    int64_t block, c10::optional<at::Tensor> bias, bool dot);
+// its panels on AMX tiles (K a multiple of 32; where amx_bf16_ready())
+void fp8_gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
+                       int64_t block, c10::optional<at::Tensor> bias);
 #endif
 
 // sampling.cpp

@@ -608,11 +608,11 @@ Dequantize pick_dequantize(bool half, bool min) {
   return min ? &dequantize_panel<BITS, float, true> : &dequantize_panel<BITS, float, false>;
 }
 
-}  // namespace
-
-void quant_gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
-                     c10::optional<at::Tensor> mins, int64_t bits, int64_t block, int64_t zero,
-                     c10::optional<at::Tensor> bias) {
+// quant_gemm_bf16 below, its panels on AMX tiles or on the AVX-512 GEMM's register tiles.
+void quant_gemm_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& data,
+                       const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                       int64_t bits, int64_t block, int64_t zero,
+                       const c10::optional<at::Tensor>& bias, bool amx) {
   const int64_t m = x.size(0), k = x.size(1), n = data.size(0);
   const std::vector<Group> groups = check_quant_gemm(out, x, data, scales, mins, bits, block, bias);
   TORCH_CHECK(n % 32 == 0 && k % 2 == 0 && x.stride(0) % 2 == 0,
@@ -623,9 +623,27 @@ void quant_gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor s
                  mins.has_value() ? mins->data_ptr() : nullptr, k / block, static_cast<float>(zero)};
   const Dequantize dequantize = bits == 4 ? pick_dequantize<4>(half, mins.has_value())
                                           : pick_dequantize<8>(half, mins.has_value());
-  gemm_on_panels(out, x, n, bias, [&](int64_t p, int32_t* panel) {
+  auto dequantize_panel = [&](int64_t p, int32_t* panel) {
     dequantize(w, 32 * p, groups, static_cast<int>(block), panel);
-  });
+  };
+  if (amx)
+    gemm_on_panels_amx(out, x, n, bias, dequantize_panel);
+  else
+    gemm_on_panels(out, x, n, bias, dequantize_panel);
+}
+
+}  // namespace
+
+void quant_gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
+                     c10::optional<at::Tensor> mins, int64_t bits, int64_t block, int64_t zero,
+                     c10::optional<at::Tensor> bias) {
+  quant_gemm_panels(out, x, data, scales, mins, bits, block, zero, bias, false);
+}
+
+void quant_gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
+                         c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
+                         int64_t zero, c10::optional<at::Tensor> bias) {
+  quant_gemm_panels(out, x, data, scales, mins, bits, block, zero, bias, true);
 }
 #endif
 

@@ -61,7 +61,9 @@ class KernelTable:
     quant_gemm: Kernel | None  # AVX-512 VNNI
     quant_gemm_grouped: Kernel | None
     quant_gemm_bf16: Kernel | None  # AVX-512 VNNI and BF16
+    quant_gemm_bf16_amx: Kernel | None
     fp8_gemm_bf16: Kernel | None  # AVX-512 BF16
+    fp8_gemm_bf16_amx: Kernel | None
     sample_from_logits: Kernel | None  # AVX-512
     module: ModuleType = field(repr=False, compare=False)  # the extension itself
 

@@ -20,13 +20,15 @@ from dataclasses import dataclass
 
 import torch
 
-from cpullm.model_executor.layers.ops import KernelTable
+from cpullm.model_executor.layers.ops import KernelTable, amx_tiles_usable
 from cpullm.model_executor.layers.quantization.kept import QuantizedWeight
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Up to this many rows of x, dot products on the bytes as read; above, the bf16 GEMM on
 # dequantized panels (measured in docs/quantization.md).
 FP8_DOT_MAX_ROWS = 8
+# Where the CPU has AMX tiles, the dequantized panels run on them above this many rows.
+FP8_AMX_MIN_ROWS = 4
 
 
 def _scaled(weight: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
@@ -166,12 +168,19 @@ class Float8Weight(QuantizedWeight):
         """Whether cpullm's FP8 kernel runs here: AVX-512 BF16, bfloat16 compute."""
         return ops is not None and ops.fp8_gemm_bf16 is not None and dtype == torch.bfloat16
 
+    def amx_runs(self, ops: KernelTable) -> bool:
+        return ops.fp8_gemm_bf16_amx is not None and self.k % 32 == 0 \
+            and amx_tiles_usable(ops)
+
     def kernel_for(self, rows: int, ops: KernelTable | None, dtype: torch.dtype) -> str:
         """"dot" (BF16 dot products on the bytes as read), "panels" (cpullm's bf16 GEMM
-        on panels dequantized 32 rows at a time) or "torch" (ATen on weights dequantized a
-        slice at a time)."""
+        on panels dequantized 32 rows at a time), "amx" (those panels on AMX tiles) or
+        "torch" (ATen on weights dequantized a slice at a time)."""
         if not self.kernels_run(ops, dtype):
             return "torch"
+        assert ops is not None
+        if self.amx_runs(ops):
+            return "amx" if rows > FP8_AMX_MIN_ROWS else "dot"
         return "panels" if rows > FP8_DOT_MAX_ROWS else "dot"
 
     def matmul_into(self, out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
@@ -183,7 +192,11 @@ class Float8Weight(QuantizedWeight):
         assert ops is not None
         if x.stride(-1) != 1 or x.stride(0) % 2:
             x = x.contiguous()
-        ops.fp8_gemm_bf16(out, x, self.data, self.scales, self.fmt.block, bias, kernel == "dot")
+        if kernel == "amx":
+            ops.fp8_gemm_bf16_amx(out, x, self.data, self.scales, self.fmt.block, bias)
+        else:
+            ops.fp8_gemm_bf16(out, x, self.data, self.scales, self.fmt.block, bias,
+                              kernel == "dot")
 
     def describe(self, ops: KernelTable | None = None, dtype: torch.dtype | None = None
                  ) -> str:
@@ -192,5 +205,8 @@ class Float8Weight(QuantizedWeight):
             return name
         if self.kernel_for(1, ops, dtype) == "torch":
             return f"{name}: dequantized a slice at a time, ATen linear"
+        if self.kernel_for(1 << 20, ops, dtype) == "amx":
+            return (f"{name}: cpullm BF16 dot products on the bytes up to {FP8_AMX_MIN_ROWS} "
+                    "rows, bf16 panels dequantized 32 rows at a time on AMX tiles above")
         return (f"{name}: cpullm BF16 dot products on the bytes up to {FP8_DOT_MAX_ROWS} "
                 "rows, bf16 GEMM on panels dequantized 32 rows at a time above (AVX-512 BF16)")

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpullm.model_executor.layers.ops import KernelTable
+from cpullm.model_executor.layers.ops import KernelTable, amx_tiles_usable
 from cpullm.model_executor.layers.quantization import LinearMethod
 from cpullm.model_executor.layers.quantization.dense import PackedGemm
 from cpullm.model_executor.layers.quantization.gguf_blocks import (
@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 # Up to this many rows of x, the integer dot products on the blocks as stored; above, the
 # bfloat16 GEMM on panels dequantized 32 rows at a time (see docs/quantization.md).
 VNNI_MAX_ROWS = 20
+# Where the CPU has AMX tiles, the dequantized panels run on them above this many rows.
+AMX_PANELS_MIN_ROWS = 20
 
 
 class QuantizedWeight(nn.Module):
@@ -101,16 +103,25 @@ class QuantizedWeight(nn.Module):
         """Whether cpullm's quantized kernels run here: AVX-512 VNNI, bfloat16 compute."""
         return ops is not None and ops.quant_gemm is not None and dtype == torch.bfloat16
 
+    def amx_runs(self, ops: KernelTable) -> bool:
+        """Whether the dequantized panels can run on AMX tiles here (K the tile depth's
+        multiple)."""
+        return ops.quant_gemm_bf16_amx is not None and self.k % 32 == 0 \
+            and amx_tiles_usable(ops)
+
     def kernel_for(self, rows: int, ops: KernelTable | None, dtype: torch.dtype) -> str:
         """What multiplies ``rows`` rows of x: "int8" (cpullm's dot products on the blocks,
         AVX-512 VNNI), "panels" (cpullm's bf16 GEMM on panels dequantized 32 rows at a
-        time, AVX-512 BF16) or "torch" (ATen on weights dequantized a slice at a time)."""
+        time, AVX-512 BF16), "amx" (those panels on AMX tiles) or "torch" (ATen on weights
+        dequantized a slice at a time)."""
         if not self.kernels_run(ops, dtype):
             return "torch"
         assert ops is not None
-        if rows > VNNI_MAX_ROWS and ops.quant_gemm_bf16 is not None and self.n % 32 == 0:
-            return "panels"
-        return "int8"
+        if ops.quant_gemm_bf16 is None or self.n % 32:
+            return "int8"
+        if self.amx_runs(ops):
+            return "amx" if rows > AMX_PANELS_MIN_ROWS else "int8"
+        return "panels" if rows > VNNI_MAX_ROWS else "int8"
 
     def matmul_into(self, out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
                     ops: KernelTable | None, kernel: str | None = None) -> None:
@@ -118,7 +129,8 @@ class QuantizedWeight(nn.Module):
         kernel = kernel or self.kernel_for(x.shape[0], ops, x.dtype)
         if kernel != "torch":
             assert ops is not None
-            run = ops.quant_gemm if kernel == "int8" else ops.quant_gemm_bf16
+            run = {"int8": ops.quant_gemm, "panels": ops.quant_gemm_bf16,
+                   "amx": ops.quant_gemm_bf16_amx}[kernel]
             if x.stride(-1) != 1 or x.stride(0) % 2:
                 x = x.contiguous()
             run(out, x, self.data, self.scales, self.mins, self.fmt.bits, self.fmt.block,
@@ -157,11 +169,15 @@ class QuantizedWeight(nn.Module):
         name = f"{self.origin} {self.qtype} kept as {self.fmt.name}"
         if dtype is None:
             return name
-        few, many = self.kernel_for(1, ops, dtype), self.kernel_for(VNNI_MAX_ROWS + 1, ops, dtype)
+        few, many = self.kernel_for(1, ops, dtype), self.kernel_for(1 << 20, ops, dtype)
         if few == "torch":
             return f"{name}: dequantized a slice at a time, ATen linear"
         if many == "int8":
             return f"{name}: cpullm int8 dot products (AVX-512 VNNI)"
+        if many == "amx":
+            return (f"{name}: cpullm int8 dot products (AVX-512 VNNI) up to "
+                    f"{AMX_PANELS_MIN_ROWS} rows, bf16 panels dequantized 32 rows at a time "
+                    "on AMX tiles above")
         return (f"{name}: cpullm int8 dot products (AVX-512 VNNI) up to {VNNI_MAX_ROWS} rows, "
                 "bf16 GEMM on panels dequantized 32 rows at a time above")
 
