@@ -201,13 +201,9 @@ void fp8_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& data,
     dot_gemm(out, x, dp, sp, blocks, block, bias);
     return;
   }
-  auto dequantize = [&](int64_t p, int32_t* panel) {
+  gemm_on_panels(out, x, n, bias, [&](int64_t p, int32_t* panel) {
     dequantize_panel(dp, sp, k, blocks, block, p, panel);
-  };
-  if (amx)
-    gemm_on_panels_amx(out, x, n, bias, dequantize);
-  else
-    gemm_on_panels(out, x, n, bias, dequantize);
+  }, amx);
 }
 
 }  // namespace

@@ -106,6 +106,16 @@ void gemm_on_panels_amx(at::Tensor& out, const at::Tensor& x, int64_t n,
                         const c10::optional<at::Tensor>& bias,
                         const std::function<void(int64_t, int32_t*)>& dequantize);
 
+// gemm_on_panels on AMX tiles or on the register tiles above.
+template <typename Dequantize>
+void gemm_on_panels(at::Tensor& out, const at::Tensor& x, int64_t n,
+                    const c10::optional<at::Tensor>& bias, Dequantize&& dequantize, bool amx) {
+  if (amx)
+    gemm_on_panels_amx(out, x, n, bias, dequantize);
+  else
+    gemm_on_panels(out, x, n, bias, dequantize);
+}
+
 #endif
 
 }  // namespace cpullm

@@ -623,13 +623,9 @@ void quant_gemm_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& d
                  mins.has_value() ? mins->data_ptr() : nullptr, k / block, static_cast<float>(zero)};
   const Dequantize dequantize = bits == 4 ? pick_dequantize<4>(half, mins.has_value())
                                           : pick_dequantize<8>(half, mins.has_value());
-  auto dequantize_panel = [&](int64_t p, int32_t* panel) {
+  gemm_on_panels(out, x, n, bias, [&](int64_t p, int32_t* panel) {
     dequantize(w, 32 * p, groups, static_cast<int>(block), panel);
-  };
-  if (amx)
-    gemm_on_panels_amx(out, x, n, bias, dequantize_panel);
-  else
-    gemm_on_panels(out, x, n, bias, dequantize_panel);
+  }, amx);
 }
 
 }  // namespace
