@@ -79,6 +79,7 @@ class KernelTable:
                 if f.name != "module" and getattr(self, f.name) is not None]
 
 
+@functools.cache  # asked on every quantized matmul (which kernel runs so many rows)
 def amx_tiles_usable(table: KernelTable) -> bool:
     """Whether the AMX kernels run here: the CPU has AMX-BF16, this build has the kernels
     (compiled with AVX-512 BF16), and the OS grants this process the tile state."""
