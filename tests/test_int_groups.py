@@ -26,6 +26,7 @@ from cpullm.model_executor.layers.quantization.fp8 import Float8Groups, Float8We
 from cpullm.model_executor.layers.quantization.gguf_blocks import pack, unpack
 from cpullm.model_executor.layers.quantization.int_groups import IntGroups
 from cpullm.model_executor.layers.quantization.kept import (
+    AmxInt8Weight,
     KeptLinearMethod,
     QuantizedWeight,
     Shard,
@@ -438,8 +439,51 @@ def test_compressed_tensors_checkpoint_matches_transformers(name, tmp_path, toke
     reference = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=torch.float32,
         quantization_config=CompressedTensorsConfig(run_compressed=False))
-    _check_end_to_end(path, hf_greedy(reference, PROMPTS, 16), "compressed-tensors",
-                      Float8Weight if name.startswith("fp8") else QuantizedWeight)
+    kept_as = QuantizedWeight
+    if name.startswith("fp8"):
+        kept_as = Float8Weight
+    elif name.startswith("w8a8") and _amx_int8_runs():
+        kept_as = AmxInt8Weight  # per-channel INT8 laid out for AMX-INT8 where it runs
+    _check_end_to_end(path, hf_greedy(reference, PROMPTS, 16), "compressed-tensors", kept_as)
+
+
+def _amx_int8_runs() -> bool:
+    from cpullm.model_executor.layers.ops import amx_int8_usable
+
+    ops, _ = quantized_kernels()
+    return ops is not None and ops.quant_gemm_int8_amx is not None and amx_int8_usable(ops)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 33, 600])
+@pytest.mark.parametrize("n, k", [(96, 640), (80, 576), (48, 2048)])
+def test_amx_int8_kernel_matches_per_token_reference(n, k, rows):
+    """Per-channel INT8 of a W8A8 checkpoint, laid out as AMX-INT8 tiles: the same weight,
+    and the kernel's output (VNNI up to 4 rows, tiles above; 16-row tails of W, K of 9 and
+    10 steps, two blocks of tokens at K = 2048) equals x quantized per token times W,
+    computed exactly, to the output's bfloat16 rounding."""
+    if not _amx_int8_runs():
+        pytest.skip("the AMX-INT8 kernel needs AMX tiles and a build with AVX-512 BF16")
+    ops, _ = quantized_kernels()
+    groups = random_groups(n, k, 8, k, True)
+    groups.per_token = True
+    weight = groups.to_weight("int8 channel", "test")
+    assert weight is not None and weight.row_scales is not None
+    tiles = weight.for_kernels(ops)
+    assert isinstance(tiles, AmxInt8Weight) and tiles.n == n
+    assert torch.equal(tiles.dequantize(torch.float32), weight.dequantize(torch.float32))
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen)).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    d = x.float().abs().amax(1) / 127
+    q = torch.round(x.float() * (1 / d)[:, None])
+    u = groups.q.double() - 128
+    expected = (q.double() @ u.T) * (d.double()[:, None] * tiles.row_scales.double()[None])
+    for b in (bias, None):
+        out = torch.empty(rows, n, dtype=torch.bfloat16)
+        tiles.matmul_into(out, x, b, ops)
+        want = expected + (0 if b is None else b.double())
+        assert torch.allclose(out.double(), want, rtol=2 ** -8,
+                              atol=1e-6 * float(want.abs().max()))
 
 
 def _with_quantization_config(folder: Path, qconfig: dict) -> Path:

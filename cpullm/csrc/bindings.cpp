@@ -34,6 +34,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ w.T with w kept quantized, dequantized 32 rows at a time into the bf16 GEMM");
   m.def("quant_gemm_bf16_amx", &cpullm::quant_gemm_bf16_amx,
         "quant_gemm_bf16 on AMX tiles (K a multiple of 32); only where amx_bf16_ready()");
+  m.def("quant_gemm_int8_amx", &cpullm::quant_gemm_int8_amx,
+        "x @ w.T for per-channel INT8 weights laid out as AMX-INT8 tiles, x quantized per "
+        "token; only where amx_bf16_ready()");
 #endif
 #if defined(__AVX512BW__) && defined(__AVX512BF16__)
   m.def("fp8_gemm_bf16", &cpullm::fp8_gemm_bf16,

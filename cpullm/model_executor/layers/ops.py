@@ -62,6 +62,7 @@ class KernelTable:
     quant_gemm_grouped: Kernel | None
     quant_gemm_bf16: Kernel | None  # AVX-512 VNNI and BF16
     quant_gemm_bf16_amx: Kernel | None
+    quant_gemm_int8_amx: Kernel | None
     fp8_gemm_bf16: Kernel | None  # AVX-512 BF16
     fp8_gemm_bf16_amx: Kernel | None
     sample_from_logits: Kernel | None  # AVX-512
@@ -85,6 +86,12 @@ def amx_tiles_usable(table: KernelTable) -> bool:
     (compiled with AVX-512 BF16), and the OS grants this process the tile state."""
     return "amx_bf16" in cpu_info().flags and table.amx_bf16_ready is not None \
         and bool(table.amx_bf16_ready())
+
+
+def amx_int8_usable(table: KernelTable) -> bool:
+    """Whether the AMX-INT8 kernels run here: the AMX kernels do, and the CPU's tiles take
+    int8 products too (every AMX CPU so far has both)."""
+    return amx_tiles_usable(table) and "amx_int8" in cpu_info().flags
 
 
 def build_name() -> str:

@@ -52,8 +52,9 @@ class CompressedTensorsScheme(CheckpointScheme):
                "input_scale": False, "input_zero_point": True}
 
     def __init__(self, block: tuple[int, int] | None = None,
-                 origin: str = "compressed-tensors") -> None:
-        self.block, self.origin = block, origin
+                 origin: str = "compressed-tensors", int8_activations: bool = False) -> None:
+        # int8_activations: the checkpoint quantizes the activations to int8 (W8A8)
+        self.block, self.origin, self.int8_activations = block, origin, int8_activations
 
     def is_quantized(self, tensors: dict[str, torch.Tensor]) -> bool:
         weight = tensors.get("weight")
@@ -94,8 +95,10 @@ class CompressedTensorsScheme(CheckpointScheme):
         groups = scales.shape[1]
         if k % groups:
             raise ValueError(f"{groups} scale groups do not divide a row of {k}")
-        return IntGroups.with_group_index(q.contiguous(), scales.contiguous(), zero, bits,
-                                          k // groups, tensors.get("weight_g_idx"))
+        groups = IntGroups.with_group_index(q.contiguous(), scales.contiguous(), zero, bits,
+                                            k // groups, tensors.get("weight_g_idx"))
+        groups.per_token = self.int8_activations and "weight_packed" not in tensors
+        return groups
 
 
 def _check_args(name: str, args: dict[str, Any] | None, what: str) -> None:
@@ -128,17 +131,20 @@ class CompressedTensorsConfig(GroupQuantConfig):
             if config.get(key):
                 raise ValueError(f"quantization: compressed-tensors with {key} is not "
                                  "supported")
-        blocks = set()
+        blocks, int8_activations = set(), False
         for name, group in (config.get("config_groups") or {}).items():
             _check_args(name, group.get("weights"), "weights")
-            _check_args(name, group.get("input_activations"), "input activations")
+            activations = group.get("input_activations")
+            _check_args(name, activations, "input activations")
+            int8_activations |= bool(activations) and activations.get("type", "int") == "int"
             structure = (group.get("weights") or {}).get("block_structure")
             if structure:
                 blocks.add(tuple(structure))
         if len(blocks) > 1:
             raise ValueError("quantization: compressed-tensors groups with different FP8 "
                              f"blocks {sorted(blocks)} are not supported")
-        self.scheme = CompressedTensorsScheme(blocks.pop() if blocks else None)
+        self.scheme = CompressedTensorsScheme(blocks.pop() if blocks else None,
+                                              int8_activations=int8_activations)
 
 
 class FP8Config(GroupQuantConfig):

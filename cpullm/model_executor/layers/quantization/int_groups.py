@@ -70,6 +70,9 @@ class IntGroups:
     bits: int
     group_size: int
     perm: torch.Tensor | None = None
+    # the checkpoint quantizes the activations to int8 per token itself (W8A8): so may the
+    # kernels (QuantizedWeight.per_token)
+    per_token: bool = False
 
     @classmethod
     def with_group_index(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -108,7 +111,7 @@ class IntGroups:
             end = start + length
             return IntGroups(self.q[start:end], self.scales[start:end],
                              None if self.zeros is None else self.zeros[start:end], self.bits,
-                             self.group_size, self.perm)
+                             self.group_size, self.perm, self.per_token)
         if self.perm is not None:
             raise ValueError("act order (desc_act) weights split by input columns are not "
                              "supported")
@@ -119,7 +122,7 @@ class IntGroups:
         return IntGroups(self.q[:, start:start + length].contiguous(),
                          self.scales[:, groups].contiguous(),
                          None if self.zeros is None else self.zeros[:, groups].contiguous(),
-                         self.bits, self.group_size)
+                         self.bits, self.group_size, per_token=self.per_token)
 
     def zero_points(self) -> torch.Tensor:
         if self.zeros is not None:
@@ -167,7 +170,7 @@ class IntGroups:
         data = torch.from_numpy(pack(self.q.to(torch.uint8).numpy(), self.bits, block))
         return QuantizedWeight(fmt, data, scales.to(dtype).contiguous(),
                                None if mins is None else mins.to(dtype).contiguous(),
-                               self.q.shape[1], qtype, origin)
+                               self.q.shape[1], qtype, origin, self.per_token)
 
 
 class CheckpointScheme(ABC):

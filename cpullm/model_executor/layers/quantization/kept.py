@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpullm.model_executor.layers.ops import KernelTable, amx_tiles_usable
+from cpullm.model_executor.layers.ops import KernelTable, amx_int8_usable, amx_tiles_usable
 from cpullm.model_executor.layers.quantization import LinearMethod
 from cpullm.model_executor.layers.quantization.dense import PackedGemm
 from cpullm.model_executor.layers.quantization.gguf_blocks import (
@@ -43,18 +43,28 @@ AMX_PANELS_MIN_ROWS = 20
 
 class QuantizedWeight(nn.Module):
     """A weight [n, k] in one ``BlockFormat``: ``data`` [n, k * bits / 8] (uint8),
-    ``scales`` and ``mins`` [n, k / block] (mins absent for a format with a zero point)."""
+    ``scales`` and ``mins`` [n, k / block] (mins absent for a format with a zero point).
+
+    ``per_token``: the checkpoint quantizes the activations to int8 per token itself (W8A8),
+    so a kernel may too. For such a weight of 8 bits with a zero point of 128 and one scale
+    per row (per-channel INT8), ``row_scales`` holds that scale (float32 [n]) and the product
+    can run on AMX-INT8 tiles, a row of W by a token in one integer dot product."""
 
     runs_grouped = True  # several such weights of one layout in one quant_gemm_grouped call
 
     def __init__(self, fmt: BlockFormat, data: torch.Tensor, scales: torch.Tensor,
-                 mins: torch.Tensor | None, k: int, qtype: str, origin: str = "GGUF") -> None:
+                 mins: torch.Tensor | None, k: int, qtype: str, origin: str = "GGUF",
+                 per_token: bool = False) -> None:
         super().__init__()
         # qtype: the checkpoint's name for the type (Q4_K; int4 g128); origin: its format
         self.fmt, self.k, self.qtype, self.origin = fmt, k, qtype, origin
+        self.per_token = per_token
         self.register_buffer("data", data)
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
+        per_row = per_token and fmt.bits == 8 and fmt.zero == 128 and k % 64 == 0 \
+            and scales.shape[0] % 16 == 0 and bool((scales == scales[:, :1]).all())
+        self.register_buffer("row_scales", scales[:, 0].float().contiguous() if per_row else None)
 
     @classmethod
     def from_split(cls, split: SplitBlocks, qtype: str, origin: str = "GGUF"
@@ -74,7 +84,8 @@ class QuantizedWeight(nn.Module):
         mins = None if first.mins is None else torch.cat([p.mins for p in parts])
         return type(first)(first.fmt, torch.cat([p.data for p in parts]),
                            torch.cat([p.scales for p in parts]), mins, first.k,
-                           "+".join(dict.fromkeys(p.qtype for p in parts)), first.origin)
+                           "+".join(dict.fromkeys(p.qtype for p in parts)), first.origin,
+                           all(p.per_token for p in parts))
 
     @property
     def n(self) -> int:
@@ -97,6 +108,14 @@ class QuantizedWeight(nn.Module):
             assert mins is not None
             w = s * u + mins.float()[..., None]
         return w.view(rows, k).to(dtype)
+
+    def for_kernels(self, ops: KernelTable | None) -> QuantizedWeight:
+        """The weight in the layout the fastest kernel here takes: per-channel INT8 as
+        AMX-INT8 tiles where the CPU has them, else as it is."""
+        if self.row_scales is not None and ops is not None \
+                and ops.quant_gemm_int8_amx is not None and amx_int8_usable(ops):
+            return AmxInt8Weight.of(self)
+        return self
 
     @staticmethod
     def kernels_run(ops: KernelTable | None, dtype: torch.dtype) -> bool:
@@ -180,6 +199,58 @@ class QuantizedWeight(nn.Module):
                     "on AMX tiles above")
         return (f"{name}: cpullm int8 dot products (AVX-512 VNNI) up to {VNNI_MAX_ROWS} rows, "
                 "bf16 GEMM on panels dequantized 32 rows at a time above")
+
+
+class AmxInt8Weight(QuantizedWeight):
+    """Per-channel INT8 (``QuantizedWeight.row_scales``) laid out as AMX-INT8 tiles:
+    ``data`` [n / 16, k / 64, 16, 64], tile row i holding k = 64 j + 4 i .. + 3 of 16 rows of
+    W (u = q + 128, as stored), which the kernel reads as they lie, x quantized per token
+    (csrc/quant_gemm.cpp: quant_gemm_int8_amx). Every number of rows runs on them."""
+
+    runs_grouped = False
+
+    @classmethod
+    def of(cls, weight: QuantizedWeight) -> AmxInt8Weight:
+        n, k = weight.n, weight.k
+        u = torch.from_numpy(unpack(weight.data.numpy(), 8, weight.fmt.block, k))  # [n, k]
+        tiles = u.view(n // 16, 16, k // 64, 16, 4).permute(0, 2, 3, 1, 4)
+        return cls(weight.fmt, tiles.reshape(n // 16, k // 64, 16, 64).contiguous(),
+                   weight.scales, None, k, weight.qtype, weight.origin, per_token=True)
+
+    @property
+    def n(self) -> int:
+        return self.data.shape[0] * 16
+
+    def dequantize(self, dtype: torch.dtype, index: torch.Tensor | slice | None = None
+                   ) -> torch.Tensor:
+        u = self.data.view(-1, self.k // 64, 16, 16, 4).permute(0, 3, 1, 2, 4)
+        u = u.reshape(self.n, self.k)
+        scales = self.row_scales
+        if index is not None:
+            u, scales = u[index], scales[index]
+        return ((u.float() - 128.0) * scales[:, None]).to(dtype)
+
+    def kernel_for(self, rows: int, ops: KernelTable | None, dtype: torch.dtype) -> str:
+        """"amx_int8" where the kernels run (they do wherever this layout is made), else
+        "torch"."""
+        return "amx_int8" if self.kernels_run(ops, dtype) else "torch"
+
+    def matmul_into(self, out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
+                    ops: KernelTable | None, kernel: str | None = None) -> None:
+        kernel = kernel or self.kernel_for(x.shape[0], ops, x.dtype)
+        if kernel == "torch":
+            super().matmul_into(out, x, bias, ops, kernel)
+            return
+        assert ops is not None and kernel == "amx_int8"
+        ops.quant_gemm_int8_amx(out, x if x.stride(-1) == 1 else x.contiguous(), self.data,
+                                self.row_scales, bias)
+
+    def describe(self, ops: KernelTable | None = None, dtype: torch.dtype | None = None
+                 ) -> str:
+        name = f"{self.origin} {self.qtype} kept as AMX-INT8 tiles"
+        if dtype is None or self.kernel_for(1, ops, dtype) == "torch":
+            return name
+        return f"{name}: cpullm AMX-INT8 tiles, x quantized to int8 per token"
 
 
 @dataclass
@@ -272,6 +343,7 @@ class KeptLinearMethod(LinearMethod):
                 if segment.gemm is not None:
                     segment.dense = None  # the packed copy replaces it
             elif segment.quantized is not None:
+                segment.quantized = segment.quantized.for_kernels(ops)
                 layer.add_module(f"quantized_{i}", segment.quantized)
         layer.segments = segments
         layer.ops = ops
