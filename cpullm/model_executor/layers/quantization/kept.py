@@ -47,8 +47,8 @@ class QuantizedWeight(nn.Module):
 
     ``per_token``: the checkpoint quantizes the activations to int8 per token itself (W8A8),
     so a kernel may too. For such a weight of 8 bits with a zero point of 128 and one scale
-    per row (per-channel INT8), ``row_scales`` holds that scale (float32 [n]) and the product
-    can run on AMX-INT8 tiles, a row of W by a token in one integer dot product."""
+    per row (per-channel INT8), ``row_scales`` holds that scale (float32 [n]), and where the
+    CPU has AMX-INT8 the weight is laid out for it after loading (``for_kernels``)."""
 
     runs_grouped = True  # several such weights of one layout in one quant_gemm_grouped call
 
