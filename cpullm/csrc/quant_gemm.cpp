@@ -85,6 +85,24 @@ struct QuantizedX {
   int64_t q_stride, block_stride;
 };
 
+// x[0, len) (len a multiple of 16) as int8 q, to nearest, with d = max |x| / 127; returns d,
+// and sum(q) in total.
+inline float quantize_span(const c10::BFloat16* x, int64_t len, int8_t* q, int32_t& total) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t c = 0; c < len; c += 16)
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(bf16x16_load(x + c)));
+  const float d = _mm512_reduce_max_ps(amax) / 127.f;
+  const __m512 inv = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t c = 0; c < len; c += 16) {
+    const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(bf16x16_load(x + c), inv));
+    sum = _mm512_add_epi32(sum, qi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + c), _mm512_cvtsepi32_epi8(qi));
+  }
+  total = _mm512_reduce_add_epi32(sum);
+  return d;
+}
+
 template <int BLOCK>
 void quantize_row(const c10::BFloat16* x, const std::vector<Group>& groups, int8_t* q,
                   float* scale, float* sum) {
@@ -92,20 +110,8 @@ void quantize_row(const c10::BFloat16* x, const std::vector<Group>& groups, int8
   for (const Group& g : groups) {
     for (int lb = 0; lb < g.blocks; ++lb) {
       const int64_t b = g.first_block + lb;
-      __m512 v[BLOCK / 16];
-      __m512 amax = _mm512_setzero_ps();
-      for (int i = 0; i < BLOCK / 16; ++i) {
-        v[i] = bf16x16_load(x + b * BLOCK + 16 * i);
-        amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
-      }
-      const float d = _mm512_reduce_max_ps(amax) / 127.f;
-      const __m512 inv = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
       int32_t total = 0;
-      for (int i = 0; i < BLOCK / 16; ++i) {
-        const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv));  // to nearest
-        total += _mm512_reduce_add_epi32(qi);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(block_q + 16 * i), _mm512_cvtsepi32_epi8(qi));
-      }
+      const float d = quantize_span(x + b * BLOCK, BLOCK, block_q, total);
       scale[b] = d;
       sum[b] = d * static_cast<float>(total);
       const int per_block = g.lanes_per_block;
@@ -674,21 +680,9 @@ QuantizedTokens quantize_tokens(const at::Tensor& x) {
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   at::parallel_for(0, m, 32, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const c10::BFloat16* row = xp + t * x.stride(0);
-      int8_t* q = out.q.get() + t * k;
-      __m512 amax = _mm512_setzero_ps();
-      for (int64_t c = 0; c < k; c += 16)
-        amax = _mm512_max_ps(amax, _mm512_abs_ps(bf16x16_load(row + c)));
-      const float d = _mm512_reduce_max_ps(amax) / 127.f;
-      const __m512 inv = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
-      __m512i total = _mm512_setzero_si512();
-      for (int64_t c = 0; c < k; c += 16) {
-        const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(bf16x16_load(row + c), inv));
-        total = _mm512_add_epi32(total, qi);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + c), _mm512_cvtsepi32_epi8(qi));
-      }
-      out.scale[t] = d;
-      out.zero_sum[t] = 128 * _mm512_reduce_add_epi32(total);
+      int32_t total = 0;
+      out.scale[t] = quantize_span(xp + t * x.stride(0), k, out.q.get() + t * k, total);
+      out.zero_sum[t] = 128 * total;
     }
   });
   return out;
@@ -814,30 +808,9 @@ void quant_gemm_int8_amx(at::Tensor out, at::Tensor x, at::Tensor tiles, at::Ten
   const int64_t token_block = std::max<int64_t>(32, kInt8TokenBytes / k / 32 * 32);
   // Each thread takes a run of 32-row blocks of W; for many tokens it walks them a block of
   // tokens at a time, whose quantized x stays in L2 while its rows of W come past.
-  // A block's sums are stored to out after the next block's product has started, so that
-  // the tiles' stores are done by then.
-  struct Block {
-    int64_t t0, tt, r0, wr;
-  };
-  auto store = [&](const Block& blk, const int32_t* acc) {
-    for (int64_t h = 0; h < blk.wr; ++h) {
-      const int64_t r = blk.r0 + 16 * h;
-      const __m512 s = _mm512_loadu_ps(sp + r);
-      const __m512 b = bp != nullptr ? bf16x16_load(bp + r) : _mm512_setzero_ps();
-      for (int64_t i = 0; i < 16 * blk.tt && blk.t0 + i < m; ++i) {
-        const int64_t t = blk.t0 + i;
-        const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(
-            _mm512_load_si512(acc + i * 32 + 16 * h), _mm512_set1_epi32(xq.zero_sum[t])));
-        bf16x16_store(op + t * ldo + r,
-                      _mm512_fmadd_ps(sum, _mm512_mul_ps(s, _mm512_set1_ps(xq.scale[t])), b));
-      }
-    }
-  };
   at::parallel_for(0, (n + 31) / 32, 1, [&](int64_t begin, int64_t end) {
     load_tile_config();
-    alignas(64) int32_t accs[2][32 * 32];
-    Block pending{-1, 0, 0, 0};
-    int cur = 0;
+    alignas(64) int32_t acc[32 * 32];
     for (int64_t tb = 0; tb < padded; tb += token_block) {
       const int64_t te = std::min(padded, tb + token_block);
       const int64_t pairs = (te - tb + 31) / 32;
@@ -854,14 +827,22 @@ void quant_gemm_int8_amx(at::Tensor out, at::Tensor x, at::Tensor tiles, at::Ten
           const int line1 = std::min<int>(next_lines, line0 + share);
           kInt8TileProducts[tt - 1][wr - 1](xq.q.get() + t0 * k, k, wp + r0 * k, wtile, steps,
                                            line0 < line1 ? wp + next_r0 * k : nullptr,
-                                           line0, line1, accs[cur]);
-          if (pending.t0 >= 0) store(pending, accs[cur ^ 1]);
-          pending = Block{t0, tt, r0, wr};
-          cur ^= 1;
+                                           line0, line1, acc);
+          for (int64_t h = 0; h < wr; ++h) {
+            const int64_t r = r0 + 16 * h;
+            const __m512 s = _mm512_loadu_ps(sp + r);
+            const __m512 b = bp != nullptr ? bf16x16_load(bp + r) : _mm512_setzero_ps();
+            for (int64_t i = 0; i < 16 * tt && t0 + i < m; ++i) {
+              const int64_t t = t0 + i;
+              const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                  _mm512_load_si512(acc + i * 32 + 16 * h), _mm512_set1_epi32(xq.zero_sum[t])));
+              bf16x16_store(op + t * ldo + r,
+                            _mm512_fmadd_ps(sum, _mm512_mul_ps(s, _mm512_set1_ps(xq.scale[t])), b));
+            }
+          }
         }
       }
     }
-    if (pending.t0 >= 0) store(pending, accs[cur ^ 1]);
     release_tiles();
   });
 }
