@@ -94,6 +94,32 @@ def test_kernels_match_dequantized_reference(qtype, rows):
         assert error < (0.01 if kernel == "int8" else 0.004), (kernel, error)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 21, 300])
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q4_K], ids=lambda t: t.name)
+def test_kernels_store_silu_mul_of_a_gate_up_weight(qtype, rows):
+    """A gate-up weight (gate and up stacked): the kernels that store silu(gate) * up as
+    they store the product (16 gate and 16 up rows a panel, the bias with them) give bit
+    for bit the product followed by the SiLU-mul kernel."""
+    from cpullm.model_executor.layers.activation import SiluAndMul
+
+    ops, kernels = quantized_kernels()
+    fusing = [kernel for kernel in kernels if kernel in QuantizedWeight.silu_mul_kernels]
+    if not fusing:
+        pytest.skip("no panel kernels on this CPU")
+    n, k = 96, width(qtype)
+    weight = RawBlocks(qtype, random_blocks(qtype, n, k, np.random.default_rng(5)),
+                       (n, k)).to_weight()
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    for bias in (torch.randn(n, generator=gen).bfloat16(), None):
+        for kernel in fusing:
+            product = torch.empty(rows, n, dtype=torch.bfloat16)
+            weight.matmul_into(product, x, bias, ops, kernel=kernel)
+            fused = torch.empty(rows, n // 2, dtype=torch.bfloat16)
+            weight.matmul_into(fused, x, bias, ops, kernel=kernel, silu_mul=True)
+            assert torch.equal(fused, SiluAndMul(ops)(product)), (kernel, bias is None)
+
+
 def test_kernel_writes_into_a_column_slice():
     """A merged layer's segments write their columns of one output."""
     ops, kernels = quantized_kernels()

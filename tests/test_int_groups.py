@@ -21,6 +21,7 @@ import torch
 from conftest import assert_greedy_follows, hf_greedy, quantized_kernels
 from safetensors.torch import save_file
 
+from cpullm.model_executor.layers.activation import SiluAndMul
 from cpullm.model_executor.layers.quantization.awq import ORDER
 from cpullm.model_executor.layers.quantization.fp8 import Float8Groups, Float8Weight
 from cpullm.model_executor.layers.quantization.gguf_blocks import pack, unpack
@@ -484,6 +485,11 @@ def test_amx_int8_kernel_matches_per_token_reference(n, k, rows):
         want = expected + (0 if b is None else b.double())
         assert torch.allclose(out.double(), want, rtol=2 ** -8,
                               atol=1e-6 * float(want.abs().max()))
+        if n % 32 == 0:  # as a gate-up weight: silu(gate) * up stored by the kernel
+            assert tiles.fuses_silu_mul(rows, ops, x.dtype)
+            fused = torch.empty(rows, n // 2, dtype=torch.bfloat16)
+            tiles.matmul_into(fused, x, b, ops, silu_mul=True)
+            assert torch.equal(fused, SiluAndMul(ops)(out))
 
 
 def _with_quantization_config(folder: Path, qconfig: dict) -> Path:

@@ -203,7 +203,7 @@ void fp8_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& data,
   }
   gemm_on_panels(out, x, n, bias, [&](int64_t p, int32_t* panel) {
     dequantize_panel(dp, sp, k, blocks, block, p, panel);
-  }, amx);
+  }, false, amx);
 }
 
 }  // namespace

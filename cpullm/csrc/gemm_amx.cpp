@@ -134,7 +134,7 @@ bool amx_bf16_ready() { return amx_permitted(); }
 // rows of x over each.
 void gemm_on_panels_amx(at::Tensor& out, const at::Tensor& x, int64_t n,
                         const c10::optional<at::Tensor>& bias,
-                        const std::function<void(int64_t, int32_t*)>& dequantize) {
+                        const std::function<void(int64_t, int32_t*)>& dequantize, bool silu_mul) {
   TORCH_CHECK(amx_permitted(), "gemm_on_panels_amx: the OS gives this process no AMX tiles");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(k % 32 == 0, "gemm_on_panels_amx: K must be a multiple of 32 (the tile depth)");
@@ -142,7 +142,7 @@ void gemm_on_panels_amx(at::Tensor& out, const at::Tensor& x, int64_t n,
   const RowTiles tiles(x.data_ptr<c10::BFloat16>(), x.stride(0), m, k);
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const int64_t ldo = out.stride(0);
+  const int64_t ldo = out.stride(0), width = silu_mul ? 16 : 32;
   at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
     load_tile_config();
     std::vector<int32_t> panel(16 * k);  // [k / 2][32] pairs
@@ -160,8 +160,8 @@ void gemm_on_panels_amx(at::Tensor& out, const at::Tensor& x, int64_t n,
         } else {
           amx_panel<false>(a0, lda0, nullptr, 0, pp, k / 2, nullptr, 0, 0, acc);
         }
-        store_product(acc, rows, bp != nullptr ? bp + 32 * p : nullptr, false,
-                      op + r * ldo + 32 * p, ldo);
+        store_product(acc, rows, bp != nullptr ? bp + 32 * p : nullptr, silu_mul,
+                      op + r * ldo + width * p, ldo);
       }
     }
     release_tiles();

@@ -73,15 +73,20 @@ constexpr GemmTiles gemm_tiles(std::integer_sequence<int, MR...>) {
 }
 
 // out [m, n] = x [m, k] @ W.T (+ bias) for a W that is never held in bfloat16 whole:
-// dequantize(p, panel) writes rows [32 p, 32 p + 32) of W into a bfloat16 panel
-// [k / 2][32][2] (the packed GEMM's layout). Each thread dequantizes its panels one at a
-// time and runs every row of x over each: x comes from L3 (or L2, up to a few hundred
-// rows), the panel from L1/L2.
+// dequantize(p, panel) writes panel p's 32 rows of W into a bfloat16 panel [k / 2][32][2]
+// (the packed GEMM's layout): rows [32 p, 32 p + 32), or with silu_mul 16 rows of gate and
+// their 16 rows of up, whose product is stored as 16 columns of silu(gate) * up (out
+// [m, n / 2]; the bias, if any, 16 gate and 16 up values a panel). Each thread dequantizes
+// its panels one at a time and runs every row of x over each: x comes from L3 (or L2, up
+// to a few hundred rows), the panel from L1/L2.
 template <typename Dequantize>
 void gemm_on_panels(at::Tensor& out, const at::Tensor& x, int64_t n,
-                    const c10::optional<at::Tensor>& bias, Dequantize&& dequantize) {
-  static const GemmTiles tiles = gemm_tiles<false, false>(std::make_integer_sequence<int, kGemmRows>{});
-  const int64_t m = x.size(0), k = x.size(1);
+                    const c10::optional<at::Tensor>& bias, Dequantize&& dequantize,
+                    bool silu_mul) {
+  static const GemmTiles plain = gemm_tiles<false, false>(std::make_integer_sequence<int, kGemmRows>{});
+  static const GemmTiles fused = gemm_tiles<false, true>(std::make_integer_sequence<int, kGemmRows>{});
+  const GemmTiles& tiles = silu_mul ? fused : plain;
+  const int64_t m = x.size(0), k = x.size(1), width = silu_mul ? 16 : 32;
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
@@ -94,26 +99,27 @@ void gemm_on_panels(at::Tensor& out, const at::Tensor& x, int64_t n,
       for (int64_t r = 0; r < m; r += kGemmRows) {
         const int64_t rows = std::min<int64_t>(kGemmRows, m - r);
         tiles[rows - 1](xp + r * ldx, ldx, pp, k / 2, bp != nullptr ? bp + 32 * p : nullptr,
-                        op + r * ldo + 32 * p, ldo, nullptr);
+                        op + r * ldo + width * p, ldo, nullptr);
       }
     }
   });
 }
 
 // gemm_on_panels on AMX tiles (gemm_amx.cpp), for K a multiple of 32 where
-// amx_bf16_ready(): dequantize(p, panel) as above.
+// amx_bf16_ready(): dequantize(p, panel) and silu_mul as above.
 void gemm_on_panels_amx(at::Tensor& out, const at::Tensor& x, int64_t n,
                         const c10::optional<at::Tensor>& bias,
-                        const std::function<void(int64_t, int32_t*)>& dequantize);
+                        const std::function<void(int64_t, int32_t*)>& dequantize, bool silu_mul);
 
 // gemm_on_panels on AMX tiles or on the register tiles above.
 template <typename Dequantize>
 void gemm_on_panels(at::Tensor& out, const at::Tensor& x, int64_t n,
-                    const c10::optional<at::Tensor>& bias, Dequantize&& dequantize, bool amx) {
+                    const c10::optional<at::Tensor>& bias, Dequantize&& dequantize,
+                    bool silu_mul, bool amx) {
   if (amx)
-    gemm_on_panels_amx(out, x, n, bias, dequantize);
+    gemm_on_panels_amx(out, x, n, bias, dequantize, silu_mul);
   else
-    gemm_on_panels(out, x, n, bias, dequantize);
+    gemm_on_panels(out, x, n, bias, dequantize, silu_mul);
 }
 
 #endif

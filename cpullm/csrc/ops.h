@@ -60,17 +60,18 @@ void quant_gemm_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> da
                         int64_t bits, int64_t block, int64_t zero);
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+// silu_mul (here and below): W is gate and up stacked, and out [m, n / 2] gets silu(gate) * up
 void quant_gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                      c10::optional<at::Tensor> mins, int64_t bits, int64_t block, int64_t zero,
-                     c10::optional<at::Tensor> bias);
+                     c10::optional<at::Tensor> bias, bool silu_mul);
 // the same with the panels on AMX tiles (K a multiple of 32; where amx_bf16_ready())
 void quant_gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                          c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
-                         int64_t zero, c10::optional<at::Tensor> bias);
+                         int64_t zero, c10::optional<at::Tensor> bias, bool silu_mul);
 // per-channel INT8 laid out as AMX-INT8 tiles [n / 16, k / 64, 16, 64] (u = q + 128) with
 // a float32 scale per row, by x quantized per token, on the tiles (where amx_bf16_ready())
 void quant_gemm_int8_amx(at::Tensor out, at::Tensor x, at::Tensor tiles, at::Tensor row_scales,
-                         c10::optional<at::Tensor> bias);
+                         c10::optional<at::Tensor> bias, bool silu_mul);
 #endif
 
 // fp8_gemm.cpp: x @ W.T with W kept in FP8 (e4m3 bytes, a float32 scale per row and block)

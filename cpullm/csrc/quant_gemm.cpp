@@ -416,11 +416,13 @@ inline void run_item(const Weight& w, const std::vector<Group>& groups, TileTabl
 
 }  // namespace
 
-// The arguments' checks, shared by both kernels; the groups of a row of W.
+// The arguments' checks, shared by both kernels; the groups of a row of W. silu_mul: out
+// holds silu(gate) * up of W's two halves, n / 2 columns.
 static std::vector<Group> check_quant_gemm(const at::Tensor& out, const at::Tensor& x,
                                            const at::Tensor& data, const at::Tensor& scales,
                                            const c10::optional<at::Tensor>& mins, int64_t bits,
-                                           int64_t block, const c10::optional<at::Tensor>& bias) {
+                                           int64_t block, const c10::optional<at::Tensor>& bias,
+                                           bool silu_mul = false) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
               "quant_gemm: bfloat16 x and out expected");
   TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && scales.is_contiguous(),
@@ -431,8 +433,8 @@ static std::vector<Group> check_quant_gemm(const at::Tensor& out, const at::Tens
               "quant_gemm: float16 or float32 scales");
   const int64_t m = x.size(0), k = x.size(1), n = data.size(0);
   TORCH_CHECK(k % block == 0 && k > 0 && scales.size(0) == n && scales.size(1) == k / block &&
-              x.stride(1) == 1 && out.stride(1) == 1 && out.size(0) == m && out.size(1) == n,
-              "quant_gemm: shapes do not match");
+              x.stride(1) == 1 && out.stride(1) == 1 && out.size(0) == m &&
+              out.size(1) == (silu_mul ? n / 2 : n), "quant_gemm: shapes do not match");
   const std::vector<Group> groups = groups_of(k / block, static_cast<int>(block), static_cast<int>(bits));
   const Group& last = groups.back();
   const int64_t last_lanes = last.blocks * last.lanes_per_block;
@@ -540,12 +542,13 @@ inline __m512i step_u(const uint8_t* row, const Group& g, int j) {
   return lanes == 16 ? load_step<true>(p, bytes) : load_step<false>(p, bytes);
 }
 
-// Rows [0, 32) at data into a bfloat16 panel [k / 2][32][2] (dword [kk][c] = the pair
-// (2kk, 2kk + 1) of row c). Per step, 16 rows' 32 pairs are transposed in registers, so
-// that each pair's 16 rows go out as one 64-byte store.
+// Rows [first[0], + 16) and [first[1], + 16) of W into a bfloat16 panel [k / 2][32][2]
+// (dword [kk][c] = the pair (2kk, 2kk + 1) of panel row c: row first[c / 16] + c % 16). Per
+// step, 16 rows' 32 pairs are transposed in registers, so that each pair's 16 rows go out as
+// one 64-byte store. The rows ahead rows on (the next panel's) are prefetched into L2.
 template <int BITS, typename S, bool MIN>
-void dequantize_panel(const Weight& w, int64_t r0, const std::vector<Group>& groups, int block,
-                      int32_t* panel) {
+void dequantize_panel(const Weight& w, const int64_t* first, int64_t ahead,
+                      const std::vector<Group>& groups, int block, int32_t* panel) {
   const S* scales = static_cast<const S*>(w.scales);
   const S* mins = static_cast<const S*>(w.mins);
   for (int half = 0; half < 2; ++half) {
@@ -568,9 +571,9 @@ void dequantize_panel(const Weight& w, int64_t r0, const std::vector<Group>& gro
       // min (or -zero s) of each u's block, the same in every step of the group.
       __m512 s[16][4], m[16][4];
       for (int c = 0; c < 16; ++c) {
-        const int64_t row = r0 + c0 + c;
-        _mm_prefetch(reinterpret_cast<const char*>(scales + (row + 32) * w.blocks + g.first_block), _MM_HINT_T1);
-        if (MIN) _mm_prefetch(reinterpret_cast<const char*>(mins + (row + 32) * w.blocks + g.first_block), _MM_HINT_T1);
+        const int64_t row = first[half] + c;
+        _mm_prefetch(reinterpret_cast<const char*>(scales + (row + ahead) * w.blocks + g.first_block), _MM_HINT_T1);
+        if (MIN) _mm_prefetch(reinterpret_cast<const char*>(mins + (row + ahead) * w.blocks + g.first_block), _MM_HINT_T1);
         const __m512 sc = load16(scales + row * w.blocks + g.first_block, mask);
         const __m512 mn = MIN ? load16(mins + row * w.blocks + g.first_block, mask)
                               : _mm512_mul_ps(sc, _mm512_set1_ps(-w.zero));
@@ -585,9 +588,9 @@ void dequantize_panel(const Weight& w, int64_t r0, const std::vector<Group>& gro
       for (int j = 0; j < g.steps; ++j) {
         __m512i pairs[2][16];  // [lanes 0-7, lanes 8-15][row]: 16 pairs each
         for (int c = 0; c < 16; ++c) {
-          const uint8_t* row = w.data + (r0 + c0 + c) * w.row_bytes;
+          const uint8_t* row = w.data + (first[half] + c) * w.row_bytes;
           // the next panel's rows into L2 as this one's are read (BITS / 8 lines a step)
-          _mm_prefetch(reinterpret_cast<const char*>(row + 32 * w.row_bytes + g.weight_offset +
+          _mm_prefetch(reinterpret_cast<const char*>(row + ahead * w.row_bytes + g.weight_offset +
                                                      j * 4 * g.blocks * g.lanes_per_block * BITS / 8),
                        _MM_HINT_T1);
           const __m512i u = step_u<BITS>(row, g, j);
@@ -609,7 +612,8 @@ void dequantize_panel(const Weight& w, int64_t r0, const std::vector<Group>& gro
   }
 }
 
-using Dequantize = void (*)(const Weight&, int64_t, const std::vector<Group>&, int, int32_t*);
+using Dequantize = void (*)(const Weight&, const int64_t*, int64_t, const std::vector<Group>&,
+                            int, int32_t*);
 
 template <int BITS>
 Dequantize pick_dequantize(bool half, bool min) {
@@ -621,34 +625,42 @@ Dequantize pick_dequantize(bool half, bool min) {
 void quant_gemm_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& data,
                        const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                        int64_t bits, int64_t block, int64_t zero,
-                       const c10::optional<at::Tensor>& bias, bool amx) {
-  const int64_t m = x.size(0), k = x.size(1), n = data.size(0);
-  const std::vector<Group> groups = check_quant_gemm(out, x, data, scales, mins, bits, block, bias);
+                       const c10::optional<at::Tensor>& bias, bool silu_mul, bool amx) {
+  const int64_t m = x.size(0), k = x.size(1), n = data.size(0), half_n = n / 2;
+  const std::vector<Group> groups =
+      check_quant_gemm(out, x, data, scales, mins, bits, block, bias, silu_mul);
   TORCH_CHECK(n % 32 == 0 && k % 2 == 0 && x.stride(0) % 2 == 0,
-              "quant_gemm_bf16: 32-row panels of W and (k, k+1) pairs of x expected");
+              "quant_gemm_bf16: 32-row panels of W (16 of gate and 16 of up with silu_mul) "
+              "and (k, k+1) pairs of x expected");
   if (m == 0) return;
   const bool half = scales.scalar_type() == at::kHalf;
   const Weight w{data.data_ptr<uint8_t>(), data.size(1), scales.data_ptr(),
                  mins.has_value() ? mins->data_ptr() : nullptr, k / block, static_cast<float>(zero)};
   const Dequantize dequantize = bits == 4 ? pick_dequantize<4>(half, mins.has_value())
                                           : pick_dequantize<8>(half, mins.has_value());
-  gemm_on_panels(out, x, n, bias, [&](int64_t p, int32_t* panel) {
-    dequantize(w, 32 * p, groups, static_cast<int>(block), panel);
-  }, amx);
+  // with silu_mul, a panel is 16 rows of gate and the same 16 of up, and its bias too
+  const c10::optional<at::Tensor> panel_bias =
+      silu_mul && bias.has_value()
+          ? c10::optional<at::Tensor>(bias->view({2, n / 32, 16}).transpose(0, 1).contiguous())
+          : bias;
+  gemm_on_panels(out, x, n, panel_bias, [&](int64_t p, int32_t* panel) {
+    const int64_t first[2] = {silu_mul ? 16 * p : 32 * p, silu_mul ? half_n + 16 * p : 32 * p + 16};
+    dequantize(w, first, silu_mul ? 16 : 32, groups, static_cast<int>(block), panel);
+  }, silu_mul, amx);
 }
 
 }  // namespace
 
 void quant_gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                      c10::optional<at::Tensor> mins, int64_t bits, int64_t block, int64_t zero,
-                     c10::optional<at::Tensor> bias) {
-  quant_gemm_panels(out, x, data, scales, mins, bits, block, zero, bias, false);
+                     c10::optional<at::Tensor> bias, bool silu_mul) {
+  quant_gemm_panels(out, x, data, scales, mins, bits, block, zero, bias, silu_mul, false);
 }
 
 void quant_gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                          c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
-                         int64_t zero, c10::optional<at::Tensor> bias) {
-  quant_gemm_panels(out, x, data, scales, mins, bits, block, zero, bias, true);
+                         int64_t zero, c10::optional<at::Tensor> bias, bool silu_mul) {
+  quant_gemm_panels(out, x, data, scales, mins, bits, block, zero, bias, silu_mul, true);
 }
 
 // ----- 8-bit weights with one scale per row, on AMX-INT8 tiles -----
@@ -727,13 +739,13 @@ __attribute__((target("amx-tile,amx-int8"))) void int8_tile_product(
 // 16 rows of W's 4 bytes of k = 64 j + 4 i .. + 3, so one VPDPBUSD with those 4 bytes of a
 // token broadcast adds them into 16 rows' sums, one row of W a lane: no horizontal sums, no
 // repacking, and the weights streamed once (16 rows of W are k * 16 contiguous bytes).
-// Rows [r, r + 16) of W (tiles at w) into out's rows of the T tokens.
+// Rows [r, r + 16) of W (tiles at w, their scales at row_scales, their bias b) into y[t],
+// float32, for each of the T tokens.
 constexpr int kInt8VnniTokens = 4;
 
 template <int T>
 void int8_vnni_rows(const int8_t* xq, int64_t k, const uint8_t* w, const float* scale,
-                    const int32_t* zero_sum, const float* row_scales, const c10::BFloat16* bias,
-                    c10::BFloat16* out, int64_t ldo) {
+                    const int32_t* zero_sum, const float* row_scales, __m512 b, __m512* y) {
   constexpr int kChains = T == 1 ? 4 : T == 2 ? 2 : 1;  // independent sums per token
   __m512i acc[T][kChains];
   for (int t = 0; t < T; ++t)
@@ -750,18 +762,16 @@ void int8_vnni_rows(const int8_t* xq, int64_t k, const uint8_t* w, const float* 
     }
   }
   const __m512 s = _mm512_loadu_ps(row_scales);
-  const __m512 b = bias != nullptr ? bf16x16_load(bias) : _mm512_setzero_ps();
   for (int t = 0; t < T; ++t) {
     __m512i sum = acc[t][0];
     for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, acc[t][c]);
     const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, _mm512_set1_epi32(zero_sum[t])));
-    bf16x16_store(out + t * ldo, _mm512_fmadd_ps(v, _mm512_mul_ps(s, _mm512_set1_ps(scale[t])), b));
+    y[t] = _mm512_fmadd_ps(v, _mm512_mul_ps(s, _mm512_set1_ps(scale[t])), b);
   }
 }
 
 using Int8VnniRows = void (*)(const int8_t*, int64_t, const uint8_t*, const float*,
-                              const int32_t*, const float*, const c10::BFloat16*,
-                              c10::BFloat16*, int64_t);
+                              const int32_t*, const float*, __m512, __m512*);
 constexpr Int8VnniRows kInt8VnniRows[kInt8VnniTokens] = {
     &int8_vnni_rows<1>, &int8_vnni_rows<2>, &int8_vnni_rows<3>, &int8_vnni_rows<4>};
 
@@ -773,8 +783,11 @@ constexpr Int8TileProduct kInt8TileProducts[2][2] = {
 
 }  // namespace
 
+// silu_mul: W is gate and up stacked (rows [0, n / 2) and [n / 2, n), each a multiple of 16),
+// and out [m, n / 2] gets silu(gate) * up: a block of tiles takes 16 rows of gate and the same
+// 16 of up, and their sums leave as one product, rounded as gemm_bf16's.
 void quant_gemm_int8_amx(at::Tensor out, at::Tensor x, at::Tensor tiles, at::Tensor row_scales,
-                         c10::optional<at::Tensor> bias) {
+                         c10::optional<at::Tensor> bias, bool silu_mul) {
   TORCH_CHECK(amx_permitted(), "quant_gemm_int8_amx: the OS gives this process no AMX tiles");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
               x.stride(1) == 1 && out.stride(1) == 1, "quant_gemm_int8_amx: rows of bfloat16 x and out");
@@ -782,7 +795,8 @@ void quant_gemm_int8_amx(at::Tensor out, at::Tensor x, at::Tensor tiles, at::Ten
               tiles.size(2) == 16 && tiles.size(3) == 64,
               "quant_gemm_int8_amx: uint8 tiles [n / 16, k / 64, 16, 64] expected");
   const int64_t m = x.size(0), k = x.size(1), n = tiles.size(0) * 16;
-  TORCH_CHECK(tiles.size(1) * 64 == k && out.size(0) == m && out.size(1) == n,
+  TORCH_CHECK(tiles.size(1) * 64 == k && out.size(0) == m &&
+              out.size(1) == (silu_mul ? n / 2 : n) && (!silu_mul || n % 32 == 0),
               "quant_gemm_int8_amx: shapes do not match");
   TORCH_CHECK(row_scales.scalar_type() == at::kFloat && row_scales.is_contiguous() &&
               row_scales.numel() == n, "quant_gemm_int8_amx: a float32 scale per row of W");
@@ -795,20 +809,38 @@ void quant_gemm_int8_amx(at::Tensor out, at::Tensor x, at::Tensor tiles, at::Ten
   const float* sp = row_scales.data_ptr<float>();
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const int64_t ldo = out.stride(0), steps = k / 64, wtile = 16 * k, padded = (m + 15) / 16 * 16;
+  const int64_t ldo = out.stride(0), steps = k / 64, padded = (m + 15) / 16 * 16, up = n / 2;
+  auto bias_at = [&](int64_t r) { return bp != nullptr ? bf16x16_load(bp + r) : _mm512_setzero_ps(); };
   if (m <= kInt8VnniTokens) {
-    at::parallel_for(0, n / 16, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t tile = begin; tile < end; ++tile)
-        kInt8VnniRows[m - 1](xq.q.get(), k, wp + tile * wtile, xq.scale.data(),
-                             xq.zero_sum.data(), sp + 16 * tile,
-                             bp != nullptr ? bp + 16 * tile : nullptr, op + 16 * tile, ldo);
+    // 16 rows of W (with silu_mul, 16 of gate and their 16 of up) an item
+    at::parallel_for(0, silu_mul ? n / 32 : n / 16, 4, [&](int64_t begin, int64_t end) {
+      __m512 y[kInt8VnniTokens], y_up[kInt8VnniTokens];
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t r = 16 * item;
+        kInt8VnniRows[m - 1](xq.q.get(), k, wp + r * k, xq.scale.data(), xq.zero_sum.data(),
+                             sp + r, bias_at(r), y);
+        if (silu_mul)
+          kInt8VnniRows[m - 1](xq.q.get(), k, wp + (up + r) * k, xq.scale.data(),
+                               xq.zero_sum.data(), sp + up + r, bias_at(up + r), y_up);
+        for (int64_t t = 0; t < m; ++t) {
+          if (silu_mul)
+            store_panel_row<true>(op + t * ldo + r, y[t], y_up[t], _mm512_setzero_ps(),
+                                  _mm512_setzero_ps());
+          else
+            bf16x16_store(op + t * ldo + r, y[t]);
+        }
+      }
     });
     return;
   }
+  // A block of tiles: 32 rows of W, or with silu_mul 16 of gate and 16 of up (wtile: bytes
+  // from its first 16 rows' tiles to its second's).
+  const int64_t blocks = silu_mul ? n / 32 : (n + 31) / 32, wtile = silu_mul ? up * k : 16 * k;
+  auto block_rows = [&](int64_t item) { return silu_mul ? 16 * item : 32 * item; };
   const int64_t token_block = std::max<int64_t>(32, kInt8TokenBytes / k / 32 * 32);
   // Each thread takes a run of 32-row blocks of W; for many tokens it walks them a block of
   // tokens at a time, whose quantized x stays in L2 while its rows of W come past.
-  at::parallel_for(0, (n + 31) / 32, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     load_tile_config();
     alignas(64) int32_t acc[32 * 32];
     for (int64_t tb = 0; tb < padded; tb += token_block) {
@@ -816,11 +848,13 @@ void quant_gemm_int8_amx(at::Tensor out, at::Tensor x, at::Tensor tiles, at::Ten
       const int64_t pairs = (te - tb + 31) / 32;
       const int share = static_cast<int>((32 + pairs - 1) / pairs);
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t r0 = 32 * item, wr = std::min<int64_t>(32, n - r0) / 16;
+        const int64_t r0 = block_rows(item), wr = silu_mul ? 2 : std::min<int64_t>(32, n - r0) / 16;
         // the block this thread takes next: its next one, or its first one again for the
         // next block of tokens
-        const int64_t next_r0 = item + 1 < end ? r0 + 32 : te < padded ? 32 * begin : -1;
-        const int next_lines = next_r0 < 0 ? 0 : static_cast<int>(std::min<int64_t>(32, n - next_r0));
+        const int64_t next_r0 = item + 1 < end ? block_rows(item + 1)
+                                : te < padded ? block_rows(begin) : -1;
+        const int next_lines = next_r0 < 0 ? 0
+            : silu_mul ? 32 : static_cast<int>(std::min<int64_t>(32, n - next_r0));
         for (int64_t t0 = tb; t0 < te; t0 += 32) {
           const int64_t tt = std::min<int64_t>(32, te - t0) / 16;
           const int line0 = std::min<int>(next_lines, static_cast<int>((t0 - tb) / 32) * share);
@@ -828,17 +862,27 @@ void quant_gemm_int8_amx(at::Tensor out, at::Tensor x, at::Tensor tiles, at::Ten
           kInt8TileProducts[tt - 1][wr - 1](xq.q.get() + t0 * k, k, wp + r0 * k, wtile, steps,
                                            line0 < line1 ? wp + next_r0 * k : nullptr,
                                            line0, line1, acc);
+          // token i's value of the block's rows 16 h .. 16 h + 15
+          auto value = [&](int64_t i, int64_t h, __m512 s, __m512 b) {
+            const int64_t t = t0 + i;
+            const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                _mm512_load_si512(acc + i * 32 + 16 * h), _mm512_set1_epi32(xq.zero_sum[t])));
+            return _mm512_fmadd_ps(sum, _mm512_mul_ps(s, _mm512_set1_ps(xq.scale[t])), b);
+          };
+          if (silu_mul) {
+            const __m512 s_gate = _mm512_loadu_ps(sp + r0), s_up = _mm512_loadu_ps(sp + up + r0);
+            const __m512 b_gate = bias_at(r0), b_up = bias_at(up + r0);
+            for (int64_t i = 0; i < 16 * tt && t0 + i < m; ++i)
+              store_panel_row<true>(op + (t0 + i) * ldo + r0, value(i, 0, s_gate, b_gate),
+                                    value(i, 1, s_up, b_up), _mm512_setzero_ps(),
+                                    _mm512_setzero_ps());
+            continue;
+          }
           for (int64_t h = 0; h < wr; ++h) {
             const int64_t r = r0 + 16 * h;
-            const __m512 s = _mm512_loadu_ps(sp + r);
-            const __m512 b = bp != nullptr ? bf16x16_load(bp + r) : _mm512_setzero_ps();
-            for (int64_t i = 0; i < 16 * tt && t0 + i < m; ++i) {
-              const int64_t t = t0 + i;
-              const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(
-                  _mm512_load_si512(acc + i * 32 + 16 * h), _mm512_set1_epi32(xq.zero_sum[t])));
-              bf16x16_store(op + t * ldo + r,
-                            _mm512_fmadd_ps(sum, _mm512_mul_ps(s, _mm512_set1_ps(xq.scale[t])), b));
-            }
+            const __m512 s = _mm512_loadu_ps(sp + r), b = bias_at(r);
+            for (int64_t i = 0; i < 16 * tt && t0 + i < m; ++i)
+              bf16x16_store(op + (t0 + i) * ldo + r, value(i, h, s, b));
           }
         }
       }

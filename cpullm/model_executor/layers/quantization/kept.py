@@ -51,6 +51,9 @@ class QuantizedWeight(nn.Module):
     CPU has AMX-INT8 the weight is laid out for it after loading (``for_kernels``)."""
 
     runs_grouped = True  # several such weights of one layout in one quant_gemm_grouped call
+    # The kernels (kernel_for's names) that can store silu(gate) * up of a gate-up weight
+    # (gate and up stacked) as they store the product.
+    silu_mul_kernels: tuple[str, ...] = ("panels", "amx")
 
     def __init__(self, fmt: BlockFormat, data: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor | None, k: int, qtype: str, origin: str = "GGUF",
@@ -142,18 +145,29 @@ class QuantizedWeight(nn.Module):
             return "amx" if rows > AMX_PANELS_MIN_ROWS else "int8"
         return "panels" if rows > VNNI_MAX_ROWS else "int8"
 
+    def fuses_silu_mul(self, rows: int, ops: KernelTable | None, dtype: torch.dtype) -> bool:
+        """Whether the kernel for ``rows`` rows can return silu(gate) * up of this weight
+        (gate and up stacked, 16-row multiples each) in place of the product."""
+        return self.n % 32 == 0 and self.kernel_for(rows, ops, dtype) in self.silu_mul_kernels
+
     def matmul_into(self, out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
-                    ops: KernelTable | None, kernel: str | None = None) -> None:
-        """out [rows, n] = x [rows, k] @ W.T (+ bias); ``kernel`` forces one (tests)."""
+                    ops: KernelTable | None, kernel: str | None = None,
+                    silu_mul: bool = False) -> None:
+        """out [rows, n] = x [rows, k] @ W.T (+ bias); ``kernel`` forces one (tests).
+        ``silu_mul`` (where ``fuses_silu_mul``): out [rows, n / 2] = silu(gate) * up."""
         kernel = kernel or self.kernel_for(x.shape[0], ops, x.dtype)
+        assert not silu_mul or kernel in self.silu_mul_kernels, kernel
         if kernel != "torch":
             assert ops is not None
-            run = {"int8": ops.quant_gemm, "panels": ops.quant_gemm_bf16,
-                   "amx": ops.quant_gemm_bf16_amx}[kernel]
             if x.stride(-1) != 1 or x.stride(0) % 2:
                 x = x.contiguous()
-            run(out, x, self.data, self.scales, self.mins, self.fmt.bits, self.fmt.block,
-                self.fmt.zero or 0, bias)
+            args = (out, x, self.data, self.scales, self.mins, self.fmt.bits, self.fmt.block,
+                    self.fmt.zero or 0, bias)
+            if kernel == "int8":
+                ops.quant_gemm(*args)
+            else:
+                run = ops.quant_gemm_bf16 if kernel == "panels" else ops.quant_gemm_bf16_amx
+                run(*args, silu_mul)
             return
         # Dequantize a slice of rows at a time: never the whole weight in floats at once.
         step = max(32, (1 << 22) // self.k)
@@ -208,6 +222,7 @@ class AmxInt8Weight(QuantizedWeight):
     (csrc/quant_gemm.cpp: quant_gemm_int8_amx). Every number of rows runs on them."""
 
     runs_grouped = False
+    silu_mul_kernels = ("amx_int8",)
 
     @classmethod
     def of(cls, weight: QuantizedWeight) -> AmxInt8Weight:
@@ -236,14 +251,15 @@ class AmxInt8Weight(QuantizedWeight):
         return "amx_int8" if self.kernels_run(ops, dtype) else "torch"
 
     def matmul_into(self, out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
-                    ops: KernelTable | None, kernel: str | None = None) -> None:
+                    ops: KernelTable | None, kernel: str | None = None,
+                    silu_mul: bool = False) -> None:
         kernel = kernel or self.kernel_for(x.shape[0], ops, x.dtype)
         if kernel == "torch":
-            super().matmul_into(out, x, bias, ops, kernel)
+            super().matmul_into(out, x, bias, ops, kernel, silu_mul)
             return
         assert ops is not None and kernel == "amx_int8"
         ops.quant_gemm_int8_amx(out, x if x.stride(-1) == 1 else x.contiguous(), self.data,
-                                self.row_scales, bias)
+                                self.row_scales, bias, silu_mul)
 
     def describe(self, ops: KernelTable | None = None, dtype: torch.dtype | None = None
                  ) -> str:
@@ -364,6 +380,13 @@ class KeptLinearMethod(LinearMethod):
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         segments, bias = layer.segments, layer.bias
+        whole = segments[0].quantized if len(segments) == 1 and segments[0].perm is None else None
+        if layer.act is not None and whole is not None \
+                and whole.fuses_silu_mul(rows.shape[0], layer.ops, rows.dtype):
+            # gate and up in one kept weight: the kernel stores silu(gate) * up itself
+            out = rows.new_empty(rows.shape[0], layer.output_size // 2)
+            whole.matmul_into(out, rows, bias, layer.ops, silu_mul=True)
+            return out.view(*x.shape[:-1], out.shape[-1])
         if len(segments) == 1 and segments[0].quantized is None:  # one dense weight: no copy
             dense = segments[0]
             out = dense.gemm(rows) if dense.gemm is not None else F.linear(rows, dense.dense, bias)
