@@ -455,11 +455,11 @@ def _amx_int8_runs() -> bool:
     return ops is not None and ops.quant_gemm_int8_amx is not None and amx_int8_usable(ops)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 33, 600])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 9, 17, 33, 600])
 @pytest.mark.parametrize("n, k", [(96, 640), (80, 576), (48, 2048)])
 def test_amx_int8_kernel_matches_per_token_reference(n, k, rows):
     """Per-channel INT8 of a W8A8 checkpoint, laid out as AMX-INT8 tiles: the same weight,
-    and the kernel's output (VNNI up to 4 rows, tiles above; 16-row tails of W, K of 9 and
+    and the kernel's output (VNNI up to 8 rows, tiles above; 16-row tails of W, K of 9 and
     10 steps, two blocks of tokens at K = 2048) equals x quantized per token times W,
     computed exactly, to the output's bfloat16 rounding."""
     if not _amx_int8_runs():

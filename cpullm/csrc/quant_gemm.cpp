@@ -673,7 +673,7 @@ void quant_gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor data, at::Tens
 // TDPBSUD, scaled once at the end:
 //     y[t][r] = dx[t] s[r] (sum_k q[t][k] u[r][k] - 128 sum_k q[t][k]) + bias[r]
 // Tiles: 4 sums (32 tokens x 32 rows of W), 2 of x, 2 of W; each step of 64 k loads 4 tiles
-// for 4 tile products. Up to 4 tokens (a decode step) read the same tiles on AVX-512 VNNI.
+// for 4 tile products. Up to 8 tokens (a decode step) read the same tiles on AVX-512 VNNI.
 namespace {
 
 constexpr int64_t kInt8TokenBytes = 1 << 20;  // the quantized tokens a pass keeps in L2
@@ -741,7 +741,7 @@ __attribute__((target("amx-tile,amx-int8"))) void int8_tile_product(
 // repacking, and the weights streamed once (16 rows of W are k * 16 contiguous bytes).
 // Rows [r, r + 16) of W (tiles at w, their scales at row_scales, their bias b) into y[t],
 // float32, for each of the T tokens.
-constexpr int kInt8VnniTokens = 4;
+constexpr int kInt8VnniTokens = 8;
 
 template <int T>
 void int8_vnni_rows(const int8_t* xq, int64_t k, const uint8_t* w, const float* scale,
@@ -773,7 +773,8 @@ void int8_vnni_rows(const int8_t* xq, int64_t k, const uint8_t* w, const float* 
 using Int8VnniRows = void (*)(const int8_t*, int64_t, const uint8_t*, const float*,
                               const int32_t*, const float*, __m512, __m512*);
 constexpr Int8VnniRows kInt8VnniRows[kInt8VnniTokens] = {
-    &int8_vnni_rows<1>, &int8_vnni_rows<2>, &int8_vnni_rows<3>, &int8_vnni_rows<4>};
+    &int8_vnni_rows<1>, &int8_vnni_rows<2>, &int8_vnni_rows<3>, &int8_vnni_rows<4>,
+    &int8_vnni_rows<5>, &int8_vnni_rows<6>, &int8_vnni_rows<7>, &int8_vnni_rows<8>};
 
 using Int8TileProduct = void (*)(const int8_t*, int64_t, const uint8_t*, int64_t, int64_t,
                                  const uint8_t*, int, int, int32_t*);
