@@ -174,7 +174,11 @@ def test_llm_with_the_engine_core_in_a_process_gives_the_same_outputs(tiny_model
     def run() -> list[tuple]:
         llm = LLM(model, dtype="float32", max_model_len=256, seed=0)
         try:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
+            # The request that ends on a stop string runs on its own: the process steps on
+            # while the front end finds the string, so in a shared batch it would change
+            # the others' batch shapes, and with them the last bits of their logits.
+            outputs = (llm.generate(prompts[:2], params[:2], use_tqdm=False)
+                       + llm.generate(prompts[2:], params[2:], use_tqdm=False))
             return [(o.request_id, [(c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason,
                                      None if c.logprobs is None else
                                      [sorted(e) for e in c.logprobs]) for c in o.outputs])
@@ -182,10 +186,29 @@ def test_llm_with_the_engine_core_in_a_process_gives_the_same_outputs(tiny_model
         finally:
             llm.llm_engine.shutdown()
 
+    def first_step_tokens() -> tuple[int, int]:
+        """Tokens in the first step after three prompts are added, and in the prompts."""
+        llm = LLM(model, dtype="float32", max_model_len=256, seed=0)
+        engine = llm.llm_engine
+        try:
+            ids = []
+            for prompt in prompts:
+                ids.append(engine.add_request(None, prompt, SamplingParams(max_tokens=4)))
+                time.sleep(0.2)  # as if a long prompt took that long to tokenize
+            engine.step()
+            engine.abort_request(ids)
+            return (engine.last_step_num_tokens,
+                    sum(len(engine.tokenize_prompt(p)[1]) for p in prompts))
+        finally:
+            engine.shutdown()
+
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     in_process = run()
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     assert run() == in_process
+    # Requests added between two steps reach the process together: one first batch.
+    stepped, prompt_tokens = first_step_tokens()
+    assert stepped == prompt_tokens
     # shutdown() stopped the engine-core process
     cores = [p for p in _children(os.getpid()) if "spawn_main" in _cmdline(p)]
     assert _wait_gone(cores, 10) == []

@@ -245,7 +245,9 @@ class CoreClient:
     """An engine core in its own process, driven step by step from this one: what
     LLMEngine runs under ``VLLM_ENABLE_V1_MULTIPROCESSING=1``. It has EngineCore's
     methods; ``step()`` returns the next step's outputs, which the process computes on its
-    own while this one processes the previous ones."""
+    own while this one processes the previous ones. Requests added between two steps go
+    out together at the next step, so the process schedules them as one batch, as an
+    engine core in this process would, whatever the time taken to tokenize them."""
 
     _POLL_MS = 250  # between checks that the process lives, while waiting for a step
 
@@ -257,6 +259,7 @@ class CoreClient:
         self.last_step_num_tokens = 0
         self._stats = EngineStats()
         self._unfinished: set[str] = set()
+        self._to_add: list[Any] = []
         self._ipc_dir = tempfile.mkdtemp(prefix="cpullm-")
         self._zmq = zmq.Context()
         self._output = self._zmq.socket(zmq.PULL)
@@ -276,12 +279,18 @@ class CoreClient:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._unfinished.add(request.request_id)
-        self._input.send(pack([ADD, [encode_request(request)]]))
+        self._to_add.append(encode_request(request))
+
+    def _send_added(self) -> None:
+        if self._to_add:
+            self._input.send(pack([ADD, self._to_add]))
+            self._to_add = []
 
     def finish_requests(self, request_ids: list[str], status: Any = None) -> None:
         ids = [i for i in request_ids if i in self._unfinished]
         self._unfinished.difference_update(ids)
         if ids:
+            self._send_added()  # an abort must follow its request's ADD
             self._input.send(pack([ABORT, ids]))
 
     def has_unfinished_requests(self) -> bool:
@@ -293,6 +302,7 @@ class CoreClient:
     def step(self) -> list[EngineCoreOutput]:
         if not self._unfinished:
             raise RuntimeError("step() with no sequence running in the engine core")
+        self._send_added()
         while True:
             if not self._output.poll(self._POLL_MS):
                 if self.process.exitcode is not None:
