@@ -621,11 +621,11 @@ Dequantize pick_dequantize(bool half, bool min) {
   return min ? &dequantize_panel<BITS, float, true> : &dequantize_panel<BITS, float, false>;
 }
 
-// quant_gemm_bf16 below, its panels on AMX tiles or on the AVX-512 GEMM's register tiles.
+// quant_gemm_bf16 below: its panels on the AVX-512 GEMM's register tiles.
 void quant_gemm_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& data,
                        const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                        int64_t bits, int64_t block, int64_t zero,
-                       const c10::optional<at::Tensor>& bias, bool silu_mul, bool amx) {
+                       const c10::optional<at::Tensor>& bias, bool silu_mul) {
   const int64_t m = x.size(0), k = x.size(1), n = data.size(0), half_n = n / 2;
   const std::vector<Group> groups =
       check_quant_gemm(out, x, data, scales, mins, bits, block, bias, silu_mul);
@@ -646,7 +646,272 @@ void quant_gemm_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& d
   gemm_on_panels(out, x, n, panel_bias, [&](int64_t p, int32_t* panel) {
     const int64_t first[2] = {silu_mul ? 16 * p : 32 * p, silu_mul ? half_n + 16 * p : 32 * p + 16};
     dequantize(w, first, silu_mul ? 16 : 32, groups, static_cast<int>(block), panel);
-  }, silu_mul, amx);
+  }, silu_mul);
+}
+
+// ----- the same blocks on AMX tiles, W the A operand -----
+//
+// On AMX a dequantized row of W needs no transpose: 16 rows of W by 32 k are the A operand
+// of TDPBF16PS as they lie, and x, whose few rows are reused by every row of W, is laid out
+// once as the B operand (pairs of k by 16 tokens). The products are [rows of W][tokens],
+// transposed in registers on the way out (once per 32 x 32 block, over all of K). And since
+// a dot product does not care in which order it meets its k, a row is written in the order
+// its steps unpack (one 32-bit lane per block: byte b of every lane is one vector, scaled by
+// the 16 blocks' scales as they lie), and x's pairs follow that order instead: the
+// dequantization is shifts, masks, conversions and FMAs, with one interleave per 32 weights.
+// A row's k order: chunks of 16 pairs (a tile row's 32 k), two per step of each group.
+// Chunk 2 j + h of group g holds, in dword l (l = L blk + i, L lanes per block), the pair
+// (e, e + 1) of block g.first_block + blk, e = 4 (j L + i) + 2 h.
+
+// The pair of x (k / 2) that each dword of a row's chunks meets; -1: past a group's lanes.
+std::vector<int32_t> pairs_of_chunks(const std::vector<Group>& groups, int block) {
+  std::vector<int32_t> pairs;
+  for (const Group& g : groups) {
+    const int lanes = g.blocks * g.lanes_per_block, per_block = g.lanes_per_block;
+    for (int j = 0; j < g.steps; ++j)
+      for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 16; ++l) {
+          const int64_t b = g.first_block + l / per_block;
+          const int64_t e = 4 * (j * per_block + l % per_block) + 2 * h;
+          pairs.push_back(l < lanes ? static_cast<int32_t>((b * block + e) / 2) : -1);
+        }
+  }
+  return pairs;
+}
+
+// Rows [first[0], + 16) and [first[1], + 16) of W as bfloat16 A tiles, chunk after chunk:
+// tiles [chunk][2][16 rows][16 pairs]; of those 32 rows, [r0, r1). The rows ahead rows on
+// are prefetched into L2.
+template <int BITS, typename S, bool MIN>
+void dequantize_rows(const Weight& w, const int64_t* first, int64_t ahead,
+                     const std::vector<Group>& groups, int32_t* tiles, int r0, int r1) {
+  const S* scales = static_cast<const S*>(w.scales);
+  const S* mins = static_cast<const S*>(w.mins);
+  // words (2 l, 2 l + 1) <- words (l, l + 16): lane l's two bfloat16 values side by side
+  const __m512i interleave = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i low_byte = _mm512_set1_epi32(0xFF);
+  const __m512i lane_ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int r = r0; r < r1; ++r) {
+    const int half = r / 16, c = r % 16;
+    const int64_t row = first[half] + c;
+    const uint8_t* data = w.data + row * w.row_bytes;
+    const S* row_scales = scales + row * w.blocks;
+    const S* row_mins = MIN ? mins + row * w.blocks : nullptr;
+    _mm_prefetch(reinterpret_cast<const char*>(row_scales + ahead * w.blocks), _MM_HINT_T1);
+    if (MIN) _mm_prefetch(reinterpret_cast<const char*>(row_mins + ahead * w.blocks), _MM_HINT_T1);
+    int32_t* out = tiles + (16 * half + c) * 16;
+    for (const Group& g : groups) {
+      const __mmask16 mask = static_cast<__mmask16>((1u << g.blocks) - 1);
+      __m512 sc = load16(row_scales + g.first_block, mask);
+      __m512 mn = MIN ? load16(row_mins + g.first_block, mask)
+                      : _mm512_mul_ps(sc, _mm512_set1_ps(-w.zero));
+      if (g.lanes_per_block > 1) {  // lane l: block l / L
+        const __m512i block_of = _mm512_srli_epi32(
+            lane_ids, __builtin_ctz(static_cast<unsigned>(g.lanes_per_block)));
+        sc = _mm512_permutexvar_ps(block_of, sc);
+        mn = _mm512_permutexvar_ps(block_of, mn);
+      }
+      const int64_t step_bytes = 4 * g.blocks * g.lanes_per_block * BITS / 8;
+      for (int j = 0; j < g.steps; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(data + ahead * w.row_bytes + g.weight_offset +
+                                                   j * step_bytes), _MM_HINT_T1);
+        const __m512i u = step_u<BITS>(data, g, j);
+        __m512 v[4];
+        for (int b = 0; b < 4; ++b)
+          v[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(
+                                     b == 0 ? u : _mm512_srli_epi32(u, 8 * b), low_byte)),
+                                 sc, mn);
+        _mm512_storeu_si512(out, _mm512_permutexvar_epi16(
+            interleave, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0])));
+        _mm512_storeu_si512(out + 512, _mm512_permutexvar_epi16(
+            interleave, (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2])));
+        out += 1024;
+      }
+    }
+  }
+}
+
+using DequantizeRows = void (*)(const Weight&, const int64_t*, int64_t, const std::vector<Group>&,
+                                int32_t*, int, int);
+
+template <int BITS>
+DequantizeRows pick_dequantize_rows(bool half, bool min) {
+  if (half) return min ? &dequantize_rows<BITS, at::Half, true> : &dequantize_rows<BITS, at::Half, false>;
+  return min ? &dequantize_rows<BITS, float, true> : &dequantize_rows<BITS, float, false>;
+}
+
+// x's rows as B tiles for those A tiles, into buffer (grown if needed): [token tile][chunk]
+// [16 pairs][16 tokens], pair l of a chunk the one pairs_of_chunks names (zero where it names
+// none, and past token m).
+const __m512i* token_tiles(const at::Tensor& x, const std::vector<int32_t>& pairs,
+                           std::vector<__m512i>& buffer) {
+  const int64_t m = x.size(0), k2 = x.size(1) / 2, ldx2 = x.stride(0) / 2;
+  const int64_t slots = static_cast<int64_t>(pairs.size()), tiles = (m + 15) / 16;
+  std::vector<int32_t> slot_of(k2, -1);
+  for (int64_t s = 0; s < slots; ++s)
+    if (pairs[s] >= 0) slot_of[pairs[s]] = static_cast<int32_t>(s);
+  if (static_cast<int64_t>(buffer.size()) < tiles * slots) buffer.resize(tiles * slots);
+  __m512i* out = buffer.data();
+  const auto* x32 = reinterpret_cast<const int32_t*>(x.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      __m512i* dst = out + tile * slots;
+      for (int64_t s = 0; s < slots; ++s)
+        if (pairs[s] < 0) dst[s] = _mm512_setzero_si512();
+      const int64_t t0 = 16 * tile, tokens = std::min<int64_t>(16, m - t0);
+      for (int64_t q = 0; q < k2; q += 16) {
+        const int64_t count = std::min<int64_t>(16, k2 - q);
+        const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+        __m512i v[16];
+        for (int t = 0; t < 16; ++t)
+          v[t] = t < tokens ? _mm512_maskz_loadu_epi32(mask, x32 + (t0 + t) * ldx2 + q)
+                            : _mm512_setzero_si512();
+        transpose16(v);  // v[i]: pair q + i of the 16 tokens
+        for (int64_t i = 0; i < count; ++i) dst[slot_of[q + i]] = v[i];
+      }
+    }
+  });
+  return out;
+}
+
+// acc [32 rows of W][32 tokens] = the A tiles w (both halves) by the B tiles x0 (tokens
+// 0-15) and, if TWO, x1 (16-31), over chunks chunks; work() after each chunk's products. Tiles
+// (amx.h): tmm0-3 the sums, tmm4-5 x, tmm6-7 W.
+template <bool TWO, typename Work>
+__attribute__((target("amx-tile,amx-bf16"))) void rows_tile_product(
+    const int32_t* w, const __m512i* x0, const __m512i* x1, int64_t chunks, float* acc,
+    Work&& work) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (TWO) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    _tile_loadd(6, w + c * 512, 64);
+    _tile_loadd(7, w + c * 512 + 256, 64);
+    _tile_loadd(4, x0 + c * 16, 64);
+    _tile_dpbf16ps(0, 6, 4);
+    _tile_dpbf16ps(1, 7, 4);
+    if (TWO) {
+      _tile_loadd(5, x1 + c * 16, 64);
+      _tile_dpbf16ps(2, 6, 5);
+      _tile_dpbf16ps(3, 7, 5);
+    }
+    work();
+  }
+  _tile_stored(0, acc, 128);
+  _tile_stored(1, acc + 16 * 32, 128);
+  if (TWO) {
+    _tile_stored(2, acc + 16, 128);
+    _tile_stored(3, acc + 16 * 32 + 16, 128);
+  }
+}
+
+constexpr int64_t kKeptTokenTileBytes = 8 << 20;
+
+// quant_gemm_bf16_amx below: 32 rows of W an item (16 of gate and 16 of up with silu_mul),
+// dequantized once into A tiles that every 32 tokens of x run over.
+void quant_gemm_rows_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& data,
+                         const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                         int64_t bits, int64_t block, int64_t zero,
+                         const c10::optional<at::Tensor>& bias, bool silu_mul) {
+  TORCH_CHECK(amx_permitted(), "quant_gemm_bf16_amx: the OS gives this process no AMX tiles");
+  const int64_t m = x.size(0), k = x.size(1), n = data.size(0), half_n = n / 2;
+  const std::vector<Group> groups =
+      check_quant_gemm(out, x, data, scales, mins, bits, block, bias, silu_mul);
+  TORCH_CHECK(n % 32 == 0 && x.stride(0) % 2 == 0,
+              "quant_gemm_bf16_amx: 32-row blocks of W (16 of gate and 16 of up with silu_mul) "
+              "and (k, k+1) pairs of x expected");
+  if (m == 0) return;
+  const bool half = scales.scalar_type() == at::kHalf;
+  const Weight w{data.data_ptr<uint8_t>(), data.size(1), scales.data_ptr(),
+                 mins.has_value() ? mins->data_ptr() : nullptr, k / block, static_cast<float>(zero)};
+  const DequantizeRows dequantize = bits == 4 ? pick_dequantize_rows<4>(half, mins.has_value())
+                                              : pick_dequantize_rows<8>(half, mins.has_value());
+  const std::vector<int32_t> pairs = pairs_of_chunks(groups, static_cast<int>(block));
+  const int64_t chunks = static_cast<int64_t>(pairs.size()) / 16;
+  // x's tiles, in a buffer that this thread keeps for the next call unless it is large
+  const int64_t xt_bytes = (m + 15) / 16 * static_cast<int64_t>(pairs.size()) * 64;
+  thread_local std::vector<__m512i> kept_buffer;
+  std::vector<__m512i> large_buffer;
+  const __m512i* xt = token_tiles(x, pairs, xt_bytes <= kKeptTokenTileBytes ? kept_buffer
+                                                                          : large_buffer);
+  const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  const int64_t ldo = out.stride(0), width = silu_mul ? 16 : 32;
+  const int64_t token_blocks = (m + 31) / 32;
+  at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
+    load_tile_config();
+    // Two buffers of A tiles [chunk][2][16 rows] of 16 pairs: while the tokens run over one
+    // block of W, the next block is dequantized into the other, a few rows after each chunk.
+    thread_local std::vector<__m512i> buffers;
+    if (static_cast<int64_t>(buffers.size()) < 2 * chunks * 32) buffers.resize(2 * chunks * 32);
+    int32_t* tiles[2] = {reinterpret_cast<int32_t*>(buffers.data()),
+                         reinterpret_cast<int32_t*>(buffers.data() + chunks * 32)};
+    auto first_rows = [&](int64_t p, int64_t* first) {
+      first[0] = silu_mul ? 16 * p : 32 * p;
+      first[1] = silu_mul ? half_n + 16 * p : 32 * p + 16;
+    };
+    int64_t first[2], next_first[2];
+    first_rows(begin, first);
+    dequantize(w, first, silu_mul ? 16 : 32, groups, tiles[0], 0, 32);
+    alignas(64) float acc[32 * 32];
+    for (int64_t p = begin; p < end; ++p) {
+      first_rows(p, first);
+      const int32_t* wt = tiles[(p - begin) % 2];
+      int32_t* next = tiles[(p - begin + 1) % 2];
+      const bool more = p + 1 < end;
+      if (more) first_rows(p + 1, next_first);
+      // the next block's rows, spread evenly over this block's chunk steps
+      const int64_t calls = token_blocks * chunks;
+      int64_t call = 0;
+      int done = more ? 0 : 32;
+      auto work = [&]() {
+        ++call;
+        const int target = static_cast<int>((call * 32 + calls - 1) / calls);
+        if (target > done) {
+          dequantize(w, next_first, silu_mul ? 16 : 32, groups, next, done, target);
+          done = target;
+        }
+      };
+      __m512 bias_lo = _mm512_setzero_ps(), bias_hi = _mm512_setzero_ps();
+      if (bp != nullptr) {
+        bias_lo = bf16x16_load(bp + first[0]);
+        bias_hi = bf16x16_load(bp + first[1]);
+      }
+      for (int64_t t0 = 0; t0 < m; t0 += 32) {
+        const __m512i* x0 = xt + (t0 / 16) * chunks * 16;
+        if (t0 + 16 < m)
+          rows_tile_product<true>(wt, x0, x0 + chunks * 16, chunks, acc, work);
+        else
+          rows_tile_product<false>(wt, x0, nullptr, chunks, acc, work);
+        // tokens [t0 + 16 q, + 16): acc's columns, transposed into rows of 32 outputs
+        for (int64_t q = 0; q < 2 && t0 + 16 * q < m; ++q) {
+          __m512i lo[16], hi[16];
+          for (int r = 0; r < 16; ++r) {
+            lo[r] = _mm512_load_si512(acc + r * 32 + 16 * q);
+            hi[r] = _mm512_load_si512(acc + (16 + r) * 32 + 16 * q);
+          }
+          transpose16(lo);
+          transpose16(hi);
+          const int64_t tokens = std::min<int64_t>(16, m - t0 - 16 * q);
+          for (int64_t i = 0; i < tokens; ++i) {
+            c10::BFloat16* o = op + (t0 + 16 * q + i) * ldo + width * p;
+            if (silu_mul)
+              store_panel_row<true>(o, _mm512_castsi512_ps(lo[i]), _mm512_castsi512_ps(hi[i]),
+                                    bias_lo, bias_hi);
+            else
+              store_panel_row<false>(o, _mm512_castsi512_ps(lo[i]), _mm512_castsi512_ps(hi[i]),
+                                     bias_lo, bias_hi);
+          }
+        }
+      }
+    }
+    release_tiles();
+  });
 }
 
 }  // namespace
@@ -654,13 +919,13 @@ void quant_gemm_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& d
 void quant_gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                      c10::optional<at::Tensor> mins, int64_t bits, int64_t block, int64_t zero,
                      c10::optional<at::Tensor> bias, bool silu_mul) {
-  quant_gemm_panels(out, x, data, scales, mins, bits, block, zero, bias, silu_mul, false);
+  quant_gemm_panels(out, x, data, scales, mins, bits, block, zero, bias, silu_mul);
 }
 
 void quant_gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                          c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
                          int64_t zero, c10::optional<at::Tensor> bias, bool silu_mul) {
-  quant_gemm_panels(out, x, data, scales, mins, bits, block, zero, bias, silu_mul, true);
+  quant_gemm_rows_amx(out, x, data, scales, mins, bits, block, zero, bias, silu_mul);
 }
 
 // ----- 8-bit weights with one scale per row, on AMX-INT8 tiles -----

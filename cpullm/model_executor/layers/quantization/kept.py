@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 # Up to this many rows of x, the integer dot products on the blocks as stored; above, the
 # bfloat16 GEMM on panels dequantized 32 rows at a time (see docs/quantization.md).
 VNNI_MAX_ROWS = 20
-# Where the CPU has AMX tiles, the dequantized panels run on them above this many rows.
-AMX_PANELS_MIN_ROWS = 20
+# Where the CPU has AMX tiles, the blocks dequantized 32 rows at a time run on them above
+# this many rows (the crossover of the 135M default model's layers, Q4_1, Q8_0 and Q4_K).
+AMX_PANELS_MIN_ROWS = 12
 
 
 class QuantizedWeight(nn.Module):
@@ -209,8 +210,8 @@ class QuantizedWeight(nn.Module):
             return f"{name}: cpullm int8 dot products (AVX-512 VNNI)"
         if many == "amx":
             return (f"{name}: cpullm int8 dot products (AVX-512 VNNI) up to "
-                    f"{AMX_PANELS_MIN_ROWS} rows, bf16 panels dequantized 32 rows at a time "
-                    "on AMX tiles above")
+                    f"{AMX_PANELS_MIN_ROWS} rows, above it bf16 AMX tiles of W dequantized 32 "
+                    "rows at a time")
         return (f"{name}: cpullm int8 dot products (AVX-512 VNNI) up to {VNNI_MAX_ROWS} rows, "
                 "bf16 GEMM on panels dequantized 32 rows at a time above")
 
