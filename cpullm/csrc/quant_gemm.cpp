@@ -31,7 +31,8 @@
 // BF16 dot product 32, but on Zen 5 the first issues once per cycle and the second twice,
 // so once a step is compute-bound the int8 path, with its unpacking and per-group scaling
 // on top, loses; dequantizing a panel costs about 8 rows of the bf16 GEMM, and from ~20
-// rows on the panels are faster (docs/quantization.md).
+// rows on the panels are faster (docs/quantization.md). Where the CPU has AMX, the blocks'
+// dequantized rows are the A operand of the tiles instead (quant_gemm_bf16_amx, below).
 #include "amx.h"
 #include "gemm_tiles.h"
 #include "ops.h"
