@@ -38,7 +38,10 @@
 #include "ops.h"
 
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <tuple>
 #include <vector>
 
 namespace cpullm {
@@ -70,6 +73,52 @@ std::vector<Group> groups_of(int64_t blocks, int block, int bits) {
     b0 += g;
   }
   return groups;
+}
+
+// A row's k order on AMX (quant_gemm_bf16_amx, below): chunks of 16 pairs (a tile row's
+// 32 k), two per step of each group. Chunk 2 j + h of group g holds, in dword l (l = L blk +
+// i, L lanes per block), the pair (e, e + 1) of block g.first_block + blk, e = 4 (j L + i) +
+// 2 h.
+//
+// The pair of x (k / 2) that each dword of a row's chunks meets; -1: past a group's lanes.
+std::vector<int32_t> pairs_of_chunks(const std::vector<Group>& groups, int block) {
+  std::vector<int32_t> pairs;
+  for (const Group& g : groups) {
+    const int lanes = g.blocks * g.lanes_per_block, per_block = g.lanes_per_block;
+    for (int j = 0; j < g.steps; ++j)
+      for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 16; ++l) {
+          const int64_t b = g.first_block + l / per_block;
+          const int64_t e = 4 * (j * per_block + l % per_block) + 2 * h;
+          pairs.push_back(l < lanes ? static_cast<int32_t>((b * block + e) / 2) : -1);
+        }
+  }
+  return pairs;
+}
+
+// A row's layout for a shape: its groups; for the AMX kernel, the pair of x that each dword
+// of a row's chunks meets (-1: none) and the dword that meets each pair. It depends on the
+// shape alone: made at a shape's first call, and kept.
+struct RowLayout {
+  std::vector<Group> groups;
+  std::vector<int32_t> pairs, slot_of;
+};
+
+const RowLayout& layout_of(int64_t blocks, int block, int bits) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int64_t, int, int>, std::unique_ptr<const RowLayout>> layouts;
+  const std::lock_guard<std::mutex> lock(mutex);
+  std::unique_ptr<const RowLayout>& layout = layouts[{blocks, block, bits}];
+  if (!layout) {
+    auto made = std::make_unique<RowLayout>();
+    made->groups = groups_of(blocks, block, bits);
+    made->pairs = pairs_of_chunks(made->groups, block);
+    made->slot_of.assign(blocks * block / 2, -1);
+    for (size_t slot = 0; slot < made->pairs.size(); ++slot)
+      if (made->pairs[slot] >= 0) made->slot_of[made->pairs[slot]] = static_cast<int32_t>(slot);
+    layout = std::move(made);
+  }
+  return *layout;
 }
 
 // Scales and mins of up to 16 blocks as float32.
@@ -156,6 +205,27 @@ struct Weight {
   int64_t blocks;  // per row
   float zero;
 };
+
+// A kept weight's tensors (checked by check_quant_gemm) as the kernels read them.
+inline Weight weight_of(const at::Tensor& data, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& mins, int64_t zero) {
+  return Weight{data.data_ptr<uint8_t>(), data.size(1), scales.data_ptr(),
+                mins.has_value() ? mins->data_ptr() : nullptr, scales.size(1),
+                static_cast<float>(zero)};
+}
+
+// The instance Of<BITS, S, MIN>::fn of a kernel template for a weight's bits, scale type
+// (float16 or float32) and mins.
+template <template <int, typename, bool> class Of, int BITS>
+auto pick_kept_bits(bool half, bool min) {
+  if (half) return min ? Of<BITS, at::Half, true>::fn : Of<BITS, at::Half, false>::fn;
+  return min ? Of<BITS, float, true>::fn : Of<BITS, float, false>::fn;
+}
+
+template <template <int, typename, bool> class Of>
+auto pick_kept(int64_t bits, bool half, bool min) {
+  return bits == 4 ? pick_kept_bits<Of, 4>(half, min) : pick_kept_bits<Of, 8>(half, min);
+}
 
 constexpr int kRows = 4;       // rows of W per tile (or 1, at the end of W)
 constexpr int kItemRows = 16;  // rows of W per item: 4 tiles, whose sums reduce together
@@ -417,13 +487,13 @@ inline void run_item(const Weight& w, const std::vector<Group>& groups, TileTabl
 
 }  // namespace
 
-// The arguments' checks, shared by both kernels; the groups of a row of W. silu_mul: out
+// The arguments' checks, shared by the kernels; the layout of a row of W. silu_mul: out
 // holds silu(gate) * up of W's two halves, n / 2 columns.
-static std::vector<Group> check_quant_gemm(const at::Tensor& out, const at::Tensor& x,
-                                           const at::Tensor& data, const at::Tensor& scales,
-                                           const c10::optional<at::Tensor>& mins, int64_t bits,
-                                           int64_t block, const c10::optional<at::Tensor>& bias,
-                                           bool silu_mul = false) {
+static const RowLayout& check_quant_gemm(const at::Tensor& out, const at::Tensor& x,
+                                         const at::Tensor& data, const at::Tensor& scales,
+                                         const c10::optional<at::Tensor>& mins, int64_t bits,
+                                         int64_t block, const c10::optional<at::Tensor>& bias,
+                                         bool silu_mul = false) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
               "quant_gemm: bfloat16 x and out expected");
   TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && scales.is_contiguous(),
@@ -436,8 +506,9 @@ static std::vector<Group> check_quant_gemm(const at::Tensor& out, const at::Tens
   TORCH_CHECK(k % block == 0 && k > 0 && scales.size(0) == n && scales.size(1) == k / block &&
               x.stride(1) == 1 && out.stride(1) == 1 && out.size(0) == m &&
               out.size(1) == (silu_mul ? n / 2 : n), "quant_gemm: shapes do not match");
-  const std::vector<Group> groups = groups_of(k / block, static_cast<int>(block), static_cast<int>(bits));
-  const Group& last = groups.back();
+  const RowLayout& layout =
+      layout_of(k / block, static_cast<int>(block), static_cast<int>(bits));
+  const Group& last = layout.groups.back();
   const int64_t last_lanes = last.blocks * last.lanes_per_block;
   const int64_t row_bytes = last.weight_offset +
       (bits == 8 || (last.steps == 1 && last_lanes < 16) ? 4 * last_lanes * last.steps
@@ -449,22 +520,20 @@ static std::vector<Group> check_quant_gemm(const at::Tensor& out, const at::Tens
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
                 bias->numel() == n, "quant_gemm: a bfloat16 bias of n values expected");
-  return groups;
+  return layout;
 }
 
 void quant_gemm(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                 c10::optional<at::Tensor> mins, int64_t bits, int64_t block, int64_t zero,
                 c10::optional<at::Tensor> bias) {
-  const int64_t m = x.size(0), k = x.size(1), n = data.size(0);
-  const std::vector<Group> groups = check_quant_gemm(out, x, data, scales, mins, bits, block, bias);
-  const bool half = scales.scalar_type() == at::kHalf;
-  const int64_t row_bytes = data.size(1);
+  const int64_t m = x.size(0), n = data.size(0);
+  const std::vector<Group>& groups =
+      check_quant_gemm(out, x, data, scales, mins, bits, block, bias).groups;
   if (m == 0) return;
 
   const QuantizedX xq = quantize_x(x, block, groups);
-  const Weight w{data.data_ptr<uint8_t>(), row_bytes, scales.data_ptr(),
-                 mins.has_value() ? mins->data_ptr() : nullptr, k / block, static_cast<float>(zero)};
-  const TileTable tiles = pick(bits, block, half, mins.has_value());
+  const Weight w = weight_of(data, scales, mins, zero);
+  const TileTable tiles = pick(bits, block, scales.scalar_type() == at::kHalf, mins.has_value());
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   const int64_t ldo = out.stride(0), items = (n + kItemRows - 1) / kItemRows;
@@ -493,16 +562,19 @@ void quant_gemm_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> da
               static_cast<int64_t>(offsets.size()) == weights + 1 && offsets[0] == 0 &&
               offsets[weights] == x.size(0),
               "quant_gemm_grouped: a scale (and min, bias) per weight and offsets [0, ..., rows]");
-  std::vector<Group> groups;
+  auto mins_of = [&](int64_t g) {
+    return mins.empty() ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(mins[g]);
+  };
+  const RowLayout* layout = nullptr;
   for (int64_t g = 0; g < weights; ++g) {
     TORCH_CHECK(offsets[g] <= offsets[g + 1] && data[g].sizes() == data[0].sizes() &&
                 scales[g].scalar_type() == scales[0].scalar_type(),
                 "quant_gemm_grouped: weights of one shape and layout expected");
-    groups = check_quant_gemm(out, x, data[g], scales[g],
-                              mins.empty() ? c10::optional<at::Tensor>() : mins[g], bits, block,
-                              biases.empty() ? c10::optional<at::Tensor>() : biases[g]);
+    layout = &check_quant_gemm(out, x, data[g], scales[g], mins_of(g), bits, block,
+                               biases.empty() ? c10::optional<at::Tensor>() : biases[g]);
   }
-  const int64_t m = x.size(0), k = x.size(1), n = data[0].size(0);
+  const std::vector<Group>& groups = layout->groups;
+  const int64_t m = x.size(0), n = data[0].size(0);
   if (m == 0) return;
   const QuantizedX xq = quantize_x(x, block, groups);
   const TileTable tiles = pick(bits, block, scales[0].scalar_type() == at::kHalf, !mins.empty());
@@ -514,9 +586,7 @@ void quant_gemm_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> da
     __m512 sums[kTokens * kItemRows];
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t g = unit / items, item = unit % items;
-      const Weight w{data[g].data_ptr<uint8_t>(), data[g].size(1), scales[g].data_ptr(),
-                     mins.empty() ? nullptr : mins[g].data_ptr(), k / block,
-                     static_cast<float>(zero)};
+      const Weight w = weight_of(data[g], scales[g], mins_of(g), zero);
       const c10::BFloat16* bp = biases.empty() ? nullptr : biases[g].data_ptr<c10::BFloat16>();
       for (int64_t tb = offsets[g]; tb < offsets[g + 1]; tb += kTokenBlock)
         run_item(w, groups, tiles, xq, n, item, tb, std::min(offsets[g + 1], tb + kTokenBlock),
@@ -613,14 +683,10 @@ void dequantize_panel(const Weight& w, const int64_t* first, int64_t ahead,
   }
 }
 
-using Dequantize = void (*)(const Weight&, const int64_t*, int64_t, const std::vector<Group>&,
-                            int, int32_t*);
-
-template <int BITS>
-Dequantize pick_dequantize(bool half, bool min) {
-  if (half) return min ? &dequantize_panel<BITS, at::Half, true> : &dequantize_panel<BITS, at::Half, false>;
-  return min ? &dequantize_panel<BITS, float, true> : &dequantize_panel<BITS, float, false>;
-}
+template <int BITS, typename S, bool MIN>
+struct PanelDequantizer {
+  static constexpr auto fn = &dequantize_panel<BITS, S, MIN>;
+};
 
 // quant_gemm_bf16 below: its panels on the AVX-512 GEMM's register tiles.
 void quant_gemm_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& data,
@@ -628,17 +694,15 @@ void quant_gemm_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& d
                        int64_t bits, int64_t block, int64_t zero,
                        const c10::optional<at::Tensor>& bias, bool silu_mul) {
   const int64_t m = x.size(0), k = x.size(1), n = data.size(0), half_n = n / 2;
-  const std::vector<Group> groups =
-      check_quant_gemm(out, x, data, scales, mins, bits, block, bias, silu_mul);
+  const std::vector<Group>& groups =
+      check_quant_gemm(out, x, data, scales, mins, bits, block, bias, silu_mul).groups;
   TORCH_CHECK(n % 32 == 0 && k % 2 == 0 && x.stride(0) % 2 == 0,
               "quant_gemm_bf16: 32-row panels of W (16 of gate and 16 of up with silu_mul) "
               "and (k, k+1) pairs of x expected");
   if (m == 0) return;
-  const bool half = scales.scalar_type() == at::kHalf;
-  const Weight w{data.data_ptr<uint8_t>(), data.size(1), scales.data_ptr(),
-                 mins.has_value() ? mins->data_ptr() : nullptr, k / block, static_cast<float>(zero)};
-  const Dequantize dequantize = bits == 4 ? pick_dequantize<4>(half, mins.has_value())
-                                          : pick_dequantize<8>(half, mins.has_value());
+  const Weight w = weight_of(data, scales, mins, zero);
+  const auto dequantize = pick_kept<PanelDequantizer>(bits, scales.scalar_type() == at::kHalf,
+                                                      mins.has_value());
   // with silu_mul, a panel is 16 rows of gate and the same 16 of up, and its bias too
   const c10::optional<at::Tensor> panel_bias =
       silu_mul && bias.has_value()
@@ -658,28 +722,9 @@ void quant_gemm_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& d
 // transposed in registers on the way out (once per 32 x 32 block, over all of K). And since
 // a dot product does not care in which order it meets its k, a row is written in the order
 // its steps unpack (one 32-bit lane per block: byte b of every lane is one vector, scaled by
-// the 16 blocks' scales as they lie), and x's pairs follow that order instead: the
-// dequantization is shifts, masks, conversions and FMAs, with one interleave per 32 weights.
-// A row's k order: chunks of 16 pairs (a tile row's 32 k), two per step of each group.
-// Chunk 2 j + h of group g holds, in dword l (l = L blk + i, L lanes per block), the pair
-// (e, e + 1) of block g.first_block + blk, e = 4 (j L + i) + 2 h.
-
-// The pair of x (k / 2) that each dword of a row's chunks meets; -1: past a group's lanes.
-std::vector<int32_t> pairs_of_chunks(const std::vector<Group>& groups, int block) {
-  std::vector<int32_t> pairs;
-  for (const Group& g : groups) {
-    const int lanes = g.blocks * g.lanes_per_block, per_block = g.lanes_per_block;
-    for (int j = 0; j < g.steps; ++j)
-      for (int h = 0; h < 2; ++h)
-        for (int l = 0; l < 16; ++l) {
-          const int64_t b = g.first_block + l / per_block;
-          const int64_t e = 4 * (j * per_block + l % per_block) + 2 * h;
-          pairs.push_back(l < lanes ? static_cast<int32_t>((b * block + e) / 2) : -1);
-        }
-  }
-  return pairs;
-}
-
+// the 16 blocks' scales as they lie), and x's pairs follow that order instead
+// (pairs_of_chunks, above): the dequantization is shifts, masks, conversions and FMAs, with
+// one interleave per 32 weights.
 // Rows [first[0], + 16) and [first[1], + 16) of W as bfloat16 A tiles, chunk after chunk:
 // tiles [chunk][2][16 rows][16 pairs]; of those 32 rows, [r0, r1). The rows ahead rows on
 // are prefetched into L2.
@@ -734,25 +779,20 @@ void dequantize_rows(const Weight& w, const int64_t* first, int64_t ahead,
   }
 }
 
-using DequantizeRows = void (*)(const Weight&, const int64_t*, int64_t, const std::vector<Group>&,
-                                int32_t*, int, int);
-
-template <int BITS>
-DequantizeRows pick_dequantize_rows(bool half, bool min) {
-  if (half) return min ? &dequantize_rows<BITS, at::Half, true> : &dequantize_rows<BITS, at::Half, false>;
-  return min ? &dequantize_rows<BITS, float, true> : &dequantize_rows<BITS, float, false>;
-}
+template <int BITS, typename S, bool MIN>
+struct RowsDequantizer {
+  static constexpr auto fn = &dequantize_rows<BITS, S, MIN>;
+};
 
 // x's rows as B tiles for those A tiles, into buffer (grown if needed): [token tile][chunk]
-// [16 pairs][16 tokens], pair l of a chunk the one pairs_of_chunks names (zero where it names
-// none, and past token m).
-const __m512i* token_tiles(const at::Tensor& x, const std::vector<int32_t>& pairs,
+// [16 pairs][16 tokens], pair l of a chunk the one the layout's pairs name (zero where they
+// name none, and past token m).
+const __m512i* token_tiles(const at::Tensor& x, const RowLayout& layout,
                            std::vector<__m512i>& buffer) {
   const int64_t m = x.size(0), k2 = x.size(1) / 2, ldx2 = x.stride(0) / 2;
+  const std::vector<int32_t>& pairs = layout.pairs;
+  const std::vector<int32_t>& slot_of = layout.slot_of;
   const int64_t slots = static_cast<int64_t>(pairs.size()), tiles = (m + 15) / 16;
-  std::vector<int32_t> slot_of(k2, -1);
-  for (int64_t s = 0; s < slots; ++s)
-    if (pairs[s] >= 0) slot_of[pairs[s]] = static_cast<int32_t>(s);
   if (static_cast<int64_t>(buffer.size()) < tiles * slots) buffer.resize(tiles * slots);
   __m512i* out = buffer.data();
   const auto* x32 = reinterpret_cast<const int32_t*>(x.data_ptr<c10::BFloat16>());
@@ -820,25 +860,23 @@ void quant_gemm_rows_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor&
                          int64_t bits, int64_t block, int64_t zero,
                          const c10::optional<at::Tensor>& bias, bool silu_mul) {
   TORCH_CHECK(amx_permitted(), "quant_gemm_bf16_amx: the OS gives this process no AMX tiles");
-  const int64_t m = x.size(0), k = x.size(1), n = data.size(0), half_n = n / 2;
-  const std::vector<Group> groups =
+  const int64_t m = x.size(0), n = data.size(0), half_n = n / 2;
+  const RowLayout& layout =
       check_quant_gemm(out, x, data, scales, mins, bits, block, bias, silu_mul);
+  const std::vector<Group>& groups = layout.groups;
   TORCH_CHECK(n % 32 == 0 && x.stride(0) % 2 == 0,
               "quant_gemm_bf16_amx: 32-row blocks of W (16 of gate and 16 of up with silu_mul) "
               "and (k, k+1) pairs of x expected");
   if (m == 0) return;
-  const bool half = scales.scalar_type() == at::kHalf;
-  const Weight w{data.data_ptr<uint8_t>(), data.size(1), scales.data_ptr(),
-                 mins.has_value() ? mins->data_ptr() : nullptr, k / block, static_cast<float>(zero)};
-  const DequantizeRows dequantize = bits == 4 ? pick_dequantize_rows<4>(half, mins.has_value())
-                                              : pick_dequantize_rows<8>(half, mins.has_value());
-  const std::vector<int32_t> pairs = pairs_of_chunks(groups, static_cast<int>(block));
-  const int64_t chunks = static_cast<int64_t>(pairs.size()) / 16;
+  const Weight w = weight_of(data, scales, mins, zero);
+  const auto dequantize = pick_kept<RowsDequantizer>(bits, scales.scalar_type() == at::kHalf,
+                                                     mins.has_value());
+  const int64_t chunks = static_cast<int64_t>(layout.pairs.size()) / 16;
   // x's tiles, in a buffer that this thread keeps for the next call unless it is large
-  const int64_t xt_bytes = (m + 15) / 16 * static_cast<int64_t>(pairs.size()) * 64;
+  const int64_t xt_bytes = (m + 15) / 16 * static_cast<int64_t>(layout.pairs.size()) * 64;
   thread_local std::vector<__m512i> kept_buffer;
   std::vector<__m512i> large_buffer;
-  const __m512i* xt = token_tiles(x, pairs, xt_bytes <= kKeptTokenTileBytes ? kept_buffer
+  const __m512i* xt = token_tiles(x, layout, xt_bytes <= kKeptTokenTileBytes ? kept_buffer
                                                                           : large_buffer);
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();

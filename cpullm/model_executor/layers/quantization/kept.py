@@ -146,10 +146,10 @@ class QuantizedWeight(nn.Module):
             return "amx" if rows > AMX_PANELS_MIN_ROWS else "int8"
         return "panels" if rows > VNNI_MAX_ROWS else "int8"
 
-    def fuses_silu_mul(self, rows: int, ops: KernelTable | None, dtype: torch.dtype) -> bool:
-        """Whether the kernel for ``rows`` rows can return silu(gate) * up of this weight
+    def fuses_silu_mul(self, kernel: str) -> bool:
+        """Whether ``kernel`` (kernel_for's name) can return silu(gate) * up of this weight
         (gate and up stacked, 16-row multiples each) in place of the product."""
-        return self.n % 32 == 0 and self.kernel_for(rows, ops, dtype) in self.silu_mul_kernels
+        return self.n % 32 == 0 and kernel in self.silu_mul_kernels
 
     def matmul_into(self, out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
                     ops: KernelTable | None, kernel: str | None = None,
@@ -382,12 +382,13 @@ class KeptLinearMethod(LinearMethod):
         rows = x.reshape(-1, x.shape[-1])
         segments, bias = layer.segments, layer.bias
         whole = segments[0].quantized if len(segments) == 1 and segments[0].perm is None else None
-        if layer.act is not None and whole is not None \
-                and whole.fuses_silu_mul(rows.shape[0], layer.ops, rows.dtype):
-            # gate and up in one kept weight: the kernel stores silu(gate) * up itself
-            out = rows.new_empty(rows.shape[0], layer.output_size // 2)
-            whole.matmul_into(out, rows, bias, layer.ops, silu_mul=True)
-            return out.view(*x.shape[:-1], out.shape[-1])
+        if layer.act is not None and whole is not None:
+            kernel = whole.kernel_for(rows.shape[0], layer.ops, rows.dtype)
+            if whole.fuses_silu_mul(kernel):
+                # gate and up in one kept weight: the kernel stores silu(gate) * up itself
+                out = rows.new_empty(rows.shape[0], layer.output_size // 2)
+                whole.matmul_into(out, rows, bias, layer.ops, kernel, silu_mul=True)
+                return out.view(*x.shape[:-1], out.shape[-1])
         if len(segments) == 1 and segments[0].quantized is None:  # one dense weight: no copy
             dense = segments[0]
             out = dense.gemm(rows) if dense.gemm is not None else F.linear(rows, dense.dense, bias)
