@@ -115,13 +115,16 @@ class ModelConfig:
     @property
     def keeps_quantized(self) -> bool:
         """Whether quantized weights stay quantized: where the quantized kernels run
-        (AVX-512 VNNI, and BF16 for FP8; bfloat16 compute; see layers/quantization/kept.py
-        and fp8.py)."""
-        from cpullm.platform.cpu import cpu_info
+        (AVX2, FMA and F16C; AVX-512 BF16 for FP8; the library CPULLM_KERNEL_ISA names;
+        bfloat16 compute; see layers/quantization/kept.py and fp8.py)."""
+        from cpullm.model_executor.layers.ops import chosen_level
 
-        needs = {"avx512_vnni", "avx512bw"} | ({"avx512_bf16"} if self.quantization == "fp8"
-                                               else set())
-        return self.dtype == torch.bfloat16 and not self.enforce_eager and needs <= cpu_info().flags
+        level = chosen_level()
+        if self.quantization == "fp8":
+            runs = level is not None and "avx512_bf16" in level.needs
+        else:
+            runs = level is not None
+        return self.dtype == torch.bfloat16 and not self.enforce_eager and runs
 
     def weight_bytes(self) -> int:
         """Memory the weights take once loaded: a GGUF file's tensors as kept (blocks stay

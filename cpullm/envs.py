@@ -67,6 +67,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # cpullm's own: 0 sends the tensor-parallel all-reduces of one host through gloo
     # instead of shared memory (for measuring; shared memory is the default).
     "CPULLM_SHM_ALLREDUCE": lambda: _optional_bool("CPULLM_SHM_ALLREDUCE") is not False,
+    # cpullm's own: the kernel library's instruction-set level (avx2, avx512, avx512_bf16)
+    # where the CPU runs a higher one: runs and measures an older CPU's kernels on a newer
+    # one. Unset: the highest this CPU runs.
+    "CPULLM_KERNEL_ISA": lambda: os.environ.get("CPULLM_KERNEL_ISA") or None,
 }
 
 

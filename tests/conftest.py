@@ -146,6 +146,34 @@ def quantized_kernels() -> tuple[Any, list[str]]:
     return ops, found
 
 
+def avx2_kernels() -> Any:
+    """The AVX2 library's kernel table where this CPU runs it (the install built it), else
+    None: its int8 dot products are what an AVX2-only CPU runs."""
+    from cpullm.model_executor.layers.ops import ISA_LEVELS, KernelTable, load_ops, load_prebuilt
+    from cpullm.platform.cpu import cpu_info
+
+    level = ISA_LEVELS[0]
+    if not level.needs <= cpu_info().flags:
+        return None
+    ops = load_ops()
+    if ops is not None and ops.isa == level.name:
+        return ops
+    module = load_prebuilt(level)
+    return None if module is None else KernelTable.of(module)
+
+
+def quantized_kernel_runs() -> list[tuple[Any, str]]:
+    """(kernel table, kernel) for every quantized kernel this machine can run, forced:
+    quantized_kernels()'s, and the AVX2 library's int8 dot products on a CPU that runs a
+    higher level."""
+    ops, kernels = quantized_kernels()
+    runs = [(ops, kernel) for kernel in kernels]
+    avx2 = avx2_kernels()
+    if avx2 is not None and avx2 is not ops:
+        runs.append((avx2, "int8"))
+    return runs
+
+
 def assert_kept_experts_grouped(moe: Any, hidden_size: int) -> None:
     """A mixture of kept-quantized experts runs grouped (two kernel calls a step), bit for
     bit what its per-expert calls give, for decode-sized and small prompt batches."""

@@ -9,7 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import assert_greedy_follows, quantized_kernels
+from conftest import (
+    assert_greedy_follows,
+    avx2_kernels,
+    quantized_kernel_runs,
+    quantized_kernels,
+)
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
@@ -76,7 +81,7 @@ def test_pack_unpack_round_trip(bits, block):
 def test_kernels_match_dequantized_reference(qtype, rows):
     """Every kernel this machine can run, forced, against x @ W.T in float32 on the
     dequantized weights (x in bfloat16, as the kernels get it)."""
-    ops, kernels = quantized_kernels()
+    ops, _ = quantized_kernels()
     rng = np.random.default_rng(2)
     n, k = 96, width(qtype)
     weight = RawBlocks(qtype, random_blocks(qtype, n, k, rng), (n, k)).to_weight()
@@ -86,12 +91,35 @@ def test_kernels_match_dequantized_reference(qtype, rows):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)).bfloat16()
     bias = torch.randn(n).bfloat16()
     expected = x.float() @ reference_w.T + bias.float()
-    for kernel in ["torch", *kernels]:
+    for table, kernel in [(ops, "torch"), *quantized_kernel_runs()]:
         out = torch.empty(rows, n, dtype=torch.bfloat16)
-        weight.matmul_into(out, x, bias, ops, kernel=kernel)
+        weight.matmul_into(out, x, bias, table, kernel=kernel)
         error = (out.float() - expected).norm() / expected.norm()
         # bf16 output rounding, and the int8 quantization of x for the dot products
-        assert error < (0.01 if kernel == "int8" else 0.004), (kernel, error)
+        assert error < (0.01 if kernel == "int8" else 0.004), (kernel, table.isa, error)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_grouped_kernel_gives_each_weights_product(qtype):
+    """quant_gemm_grouped (a mixture's experts in one call), in every build this machine
+    runs: each run of rows, an empty one too, gets bit for bit what its own weight gives."""
+    rng = np.random.default_rng(6)
+    n, k, offsets = 64, 576, [0, 3, 3, 12, 13]
+    weights = [RawBlocks(qtype, random_blocks(qtype, n, k, rng), (n, k)).to_weight()
+               for _ in range(len(offsets) - 1)]
+    biases = [torch.randn(n).bfloat16() for _ in weights]
+    x = torch.randn(offsets[-1], k).bfloat16()
+    tables = {id(table): table for table, kernel in quantized_kernel_runs() if kernel == "int8"}
+    if not tables:
+        pytest.skip("no quantized kernels on this CPU")
+    for table in tables.values():
+        grouped = torch.empty(offsets[-1], n, dtype=torch.bfloat16)
+        QuantizedWeight.matmul_grouped(grouped, x, weights, biases, offsets, table)
+        for i, weight in enumerate(weights):
+            rows = slice(offsets[i], offsets[i + 1])
+            alone = torch.empty(offsets[i + 1] - offsets[i], n, dtype=torch.bfloat16)
+            weight.matmul_into(alone, x[rows], biases[i], table, kernel="int8")
+            assert torch.equal(grouped[rows], alone), (table.isa, i)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 21, 300])
@@ -210,20 +238,10 @@ def test_mixed_types_load_and_match_transformers(mixed_gguf):
     first difference, each side's token in the other's top 5)."""
     from transformers import AutoModelForCausalLM
 
-    from cpullm import LLM, SamplingParams
     from cpullm.model_executor.layers.linear import LinearBase
 
-    prompts = [[1, 2, 3, 4, 5], [100, 2000, 30000, 7]]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
-
-    def run(dtype: str):
-        llm = LLM(model=str(mixed_gguf), dtype=dtype, max_model_len=256,
-                  kv_cache_memory_bytes=1 << 24)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                               use_tqdm=False)
-        return llm.llm_engine.model_runner.model, [o.outputs[0] for o in outputs]
-
-    model, exact = run("float32")
+    prompts = MIXED_PROMPTS
+    model, exact = _generate(mixed_gguf, "float32")
     assert all(s.quantized is None for m in model.modules() if isinstance(m, LinearBase)
                for s in m.segments)
     reference = AutoModelForCausalLM.from_pretrained(
@@ -238,7 +256,30 @@ def test_mixed_types_load_and_match_transformers(mixed_gguf):
     ops, kernels = quantized_kernels()
     if not QuantizedWeight.kernels_run(ops, torch.bfloat16):
         return  # bfloat16 runs dequantized too on this CPU
-    model, quantized = run("bfloat16")
+    model, quantized = _generate(mixed_gguf, "bfloat16")
+    _assert_kept_mixed(model)
+    assert_greedy_follows(exact, quantized)
+
+
+MIXED_PROMPTS = [[1, 2, 3, 4, 5], [100, 2000, 30000, 7]]
+
+
+def _generate(path: Path, dtype: str) -> tuple[torch.nn.Module, list]:
+    """The model as loaded, and its greedy completions (top-5 logprobs) of MIXED_PROMPTS."""
+    from cpullm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    llm = LLM(model=str(path), dtype=dtype, max_model_len=256, kv_cache_memory_bytes=1 << 24)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in MIXED_PROMPTS], params,
+                           use_tqdm=False)
+    return llm.llm_engine.model_runner.model, [o.outputs[0] for o in outputs]
+
+
+def _assert_kept_mixed(model: torch.nn.Module) -> None:
+    """Every linear layer of the mixed file kept in its types, two segments in QKV and in
+    gate-up, the embedding table in Q8_0."""
+    from cpullm.model_executor.layers.linear import LinearBase
+
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert [s.quantized.qtype for s in qkv.segments] == ["Q4_K", "Q6_K"]
     gate_up = model.model.layers[0].mlp.gate_up_proj
@@ -246,6 +287,29 @@ def test_mixed_types_load_and_match_transformers(mixed_gguf):
     assert all(s.dense is None for m in model.modules() if isinstance(m, LinearBase)
                for s in m.segments)
     assert model.model.embed_tokens.quantized.qtype == "Q8_0"
+
+
+def test_mixed_types_on_the_avx2_kernels(mixed_gguf, monkeypatch):
+    """With CPULLM_KERNEL_ISA=avx2 the AVX2 library runs (what a CPU with AVX2 and no
+    AVX-512 gets): the file stays quantized on its int8 kernels, whose greedy tokens follow
+    float32's."""
+    from cpullm.model_executor.layers import ops as ops_py
+
+    if avx2_kernels() is None:
+        pytest.skip("this CPU does not run the AVX2 library, or the install did not build it")
+    _, exact = _generate(mixed_gguf, "float32")
+    monkeypatch.setenv("CPULLM_KERNEL_ISA", "avx2")
+    ops_py.load_ops.cache_clear()
+    try:
+        ops = ops_py.load_ops()
+        assert ops is not None and ops.isa == "avx2" and ops.quant_gemm_bf16 is None
+        model, quantized = _generate(mixed_gguf, "bfloat16")
+    finally:
+        monkeypatch.delenv("CPULLM_KERNEL_ISA")
+        ops_py.load_ops.cache_clear()
+    _assert_kept_mixed(model)
+    gate_up = model.model.layers[0].mlp.gate_up_proj
+    assert gate_up.ops.isa == "avx2"
     assert_greedy_follows(exact, quantized)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import assert_greedy_follows, hf_greedy, quantized_kernels
+from conftest import assert_greedy_follows, hf_greedy, quantized_kernel_runs, quantized_kernels
 from safetensors.torch import save_file
 
 from cpullm.model_executor.layers.activation import SiluAndMul
@@ -105,16 +105,16 @@ def test_kernels_match_dequantized_reference(case, rows):
     rounding = float(groups.scales.float().max()) * ((1 << bits) - 1) * 2 ** -11
     assert torch.allclose(KeptLinearMethod.dense_weight(kept, torch.float32), reference,
                           rtol=0, atol=rounding)
-    ops, kernels = quantized_kernels()
+    ops, _ = quantized_kernels()
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)).bfloat16()
     bias = torch.randn(n).bfloat16()
     expected = x.float() @ reference.T + bias.float()
     inputs = x if groups.perm is None else x.index_select(1, groups.perm)
-    for kernel in ["torch", *kernels]:
+    for table, kernel in [(ops, "torch"), *quantized_kernel_runs()]:
         out = torch.empty(rows, n, dtype=torch.bfloat16)
-        weight.matmul_into(out, inputs, bias, ops, kernel=kernel)
+        weight.matmul_into(out, inputs, bias, table, kernel=kernel)
         error = (out.float() - expected).norm() / expected.norm()
-        assert error < (0.012 if kernel == "int8" else 0.004), (kernel, error)
+        assert error < (0.012 if kernel == "int8" else 0.004), (kernel, table.isa, error)
 
 
 def test_awq_word_layout():

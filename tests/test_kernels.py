@@ -326,10 +326,11 @@ def test_kernel_table_lists_the_build():
     from cpullm.model_executor.layers.ops import KernelTable
 
     assert ops is not None
-    bound = {name for name in dir(ops.module) if not name.startswith("_")}
+    bound = {name for name in dir(ops.module) if not name.startswith("_")} - {"isa"}
     assert bound == set(ops.available) <= {f.name for f in dataclasses.fields(KernelTable)}
     if "avx512_bf16" in cpu_info().flags:
         assert ops.gemm_bf16 is not None and ops.rms_norm_bf16 is not None
+        assert ops.isa == "avx512_bf16"
 
 
 def test_build_is_keyed_on_the_cpu_and_the_install(monkeypatch, tmp_path):
@@ -365,6 +366,25 @@ def test_prebuilt_level_follows_the_cpu_flags():
     assert best_level(set(avx512_bf16.needs) - {"avx512_vnni"}) is avx2
 
 
+def test_kernel_isa_can_be_lowered_by_name(monkeypatch):
+    """CPULLM_KERNEL_ISA picks a lower level's library; a name that is not a level, or a
+    level this CPU cannot run, is refused by name."""
+    from cpullm.model_executor.layers import ops as ops_py
+    from cpullm.platform.cpu import CpuInfo
+
+    avx2, avx512, _ = ops_py.ISA_LEVELS
+    monkeypatch.setattr(ops_py, "cpu_info", lambda: CpuInfo("x", "x", avx512.needs))
+    assert ops_py.chosen_level() is avx512
+    monkeypatch.setenv("CPULLM_KERNEL_ISA", "avx2")
+    assert ops_py.chosen_level() is avx2
+    monkeypatch.setenv("CPULLM_KERNEL_ISA", "sse2")
+    with pytest.raises(ValueError, match="choose from avx2, avx512, avx512_bf16"):
+        ops_py.chosen_level()
+    monkeypatch.setenv("CPULLM_KERNEL_ISA", "avx512_bf16")
+    with pytest.raises(ValueError, match="lacks avx512_bf16"):
+        ops_py.chosen_level()
+
+
 def test_prebuilt_libraries_run_here():
     """Every level's library that the install built and this CPU runs: it loads, its table
     has what its instruction sets allow, and its rotary kernel equals torch's."""
@@ -397,7 +417,7 @@ def test_prebuilt_libraries_run_here():
         if module is None:
             continue
         table = KernelTable.of(module)
-        assert (table.quant_gemm is not None) == (name != "avx2")
+        assert table.isa == name and table.quant_gemm is not None  # AVX2's int8 too
         assert (table.gemm_bf16 is not None) == (name == "avx512_bf16")
         got = RotaryEmbedding(config, 64, 32, table)(positions, q.clone(), k.clone())
         assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True)), name

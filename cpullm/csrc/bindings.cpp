@@ -4,6 +4,16 @@
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // the instruction sets it was compiled for, as the library levels name them
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  m.attr("isa") = "avx512_bf16";
+#elif defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  m.attr("isa") = "avx512";
+#elif defined(__AVX2__)
+  m.attr("isa") = "avx2";
+#else
+  m.attr("isa") = "generic";
+#endif
   m.def("decode_attention", &cpullm::decode_attention, "paged attention, one query per sequence");
   m.def("bind_threads", &cpullm::bind_threads, "pin intra-op threads, one per CPU");
 #if defined(__AVX512BF16__)
@@ -22,7 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_softmax_bf16", &cpullm::prefill_softmax_bf16,
         "causal softmax of prompt-chunk attention scores, in place");
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   m.def("quant_gemm", &cpullm::quant_gemm,
         "x @ w.T with w kept quantized, on int8 dot products of x quantized per block");
   m.def("quant_gemm_grouped", &cpullm::quant_gemm_grouped,

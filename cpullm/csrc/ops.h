@@ -49,8 +49,9 @@ void decode_attention_amx(at::Tensor out, at::Tensor q, at::Tensor key_cache,
                           c10::optional<at::Tensor> sinks);
 #endif
 
-// quant_gemm.cpp: x @ W.T with W kept quantized (u, scales, mins or a zero point)
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// quant_gemm.cpp: x @ W.T with W kept quantized (u, scales, mins or a zero point); on
+// AVX-512 VNNI, or on AVX2's int8 multiply-adds
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 void quant_gemm(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                 c10::optional<at::Tensor> mins, int64_t bits, int64_t block, int64_t zero,
                 c10::optional<at::Tensor> bias);

@@ -44,9 +44,15 @@
 #include <tuple>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace cpullm {
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The layouts, x's quantization and the arguments' checks: shared by the AVX-512 VNNI
+// kernels and the AVX2 ones (every library level has AVX2, FMA and F16C).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 namespace {
 
 // One group of blocks of a row, as laid out above.
@@ -121,12 +127,6 @@ const RowLayout& layout_of(int64_t blocks, int block, int bits) {
   return *layout;
 }
 
-// Scales and mins of up to 16 blocks as float32.
-inline __m512 load16(const at::Half* p, __mmask16 mask) {
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
-}
-inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-
 // x as int8 in the weights' steps, per token (lanes past a group's end zero), dx and
 // dx * sum(q) per block.
 struct QuantizedX {
@@ -137,6 +137,7 @@ struct QuantizedX {
 
 // x[0, len) (len a multiple of 16) as int8 q, to nearest, with d = max |x| / 127; returns d,
 // and sum(q) in total.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 inline float quantize_span(const c10::BFloat16* x, int64_t len, int8_t* q, int32_t& total) {
   __m512 amax = _mm512_setzero_ps();
   for (int64_t c = 0; c < len; c += 16)
@@ -152,6 +153,38 @@ inline float quantize_span(const c10::BFloat16* x, int64_t len, int8_t* q, int32
   total = _mm512_reduce_add_epi32(sum);
   return d;
 }
+#else
+inline __m256 bf16x8_load(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+inline float quantize_span(const c10::BFloat16* x, int64_t len, int8_t* q, int32_t& total) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 amax = _mm256_setzero_ps();
+  for (int64_t c = 0; c < len; c += 8)
+    amax = _mm256_max_ps(amax, _mm256_and_ps(bf16x8_load(x + c), magnitude));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax);
+  const float d = *std::max_element(lanes, lanes + 8) / 127.f;
+  const __m256 inv = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
+  __m256i sum = _mm256_setzero_si256();
+  for (int64_t c = 0; c < len; c += 16) {
+    const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(bf16x8_load(x + c), inv));
+    const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(bf16x8_load(x + c + 8), inv));
+    sum = _mm256_add_epi32(sum, _mm256_add_epi32(q0, q1));
+    // int32 -> int16 -> int8 with saturation; the packs work within 128-bit halves
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);
+    const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(words, words), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + c), _mm256_castsi256_si128(bytes));
+  }
+  alignas(32) int32_t sums[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sums), sum);
+  total = 0;
+  for (int32_t v : sums) total += v;
+  return d;
+}
+#endif
 
 template <int BLOCK>
 void quantize_row(const c10::BFloat16* x, const std::vector<Group>& groups, int8_t* q,
@@ -214,22 +247,50 @@ inline Weight weight_of(const at::Tensor& data, const at::Tensor& scales,
                 static_cast<float>(zero)};
 }
 
-// The instance Of<BITS, S, MIN>::fn of a kernel template for a weight's bits, scale type
-// (float16 or float32) and mins.
-template <template <int, typename, bool> class Of, int BITS>
-auto pick_kept_bits(bool half, bool min) {
-  if (half) return min ? Of<BITS, at::Half, true>::fn : Of<BITS, at::Half, false>::fn;
-  return min ? Of<BITS, float, true>::fn : Of<BITS, float, false>::fn;
+// The instance Of<BITS, BLOCK, S, MIN>::entry of a kernel template (a function, or a table
+// of them) for a weight's layout: u of 4 or 8 bits, blocks of 16, 32, 64 or 128, float16
+// or float32 scales, mins or a zero point. GGUF's types use blocks of 16 and 32
+// (gguf_blocks.FORMATS); the group-quantized formats (AWQ, GPTQ, compressed-tensors) blocks
+// of their group size, or of 128 with a scale repeated for larger groups and per-channel
+// scales.
+template <template <int, int, typename, bool> class Of, int BITS, int BLOCK>
+auto pick_scales(bool half, bool min) {
+  if (half) return min ? Of<BITS, BLOCK, at::Half, true>::entry : Of<BITS, BLOCK, at::Half, false>::entry;
+  return min ? Of<BITS, BLOCK, float, true>::entry : Of<BITS, BLOCK, float, false>::entry;
 }
 
-template <template <int, typename, bool> class Of>
-auto pick_kept(int64_t bits, bool half, bool min) {
-  return bits == 4 ? pick_kept_bits<Of, 4>(half, min) : pick_kept_bits<Of, 8>(half, min);
+template <template <int, int, typename, bool> class Of, int BITS>
+auto pick_block(int64_t block, bool half, bool min) {
+  switch (block) {
+    case 16: return pick_scales<Of, BITS, 16>(half, min);
+    case 32: return pick_scales<Of, BITS, 32>(half, min);
+    case 64: return pick_scales<Of, BITS, 64>(half, min);
+    default: return pick_scales<Of, BITS, 128>(half, min);
+  }
 }
 
-constexpr int kRows = 4;       // rows of W per tile (or 1, at the end of W)
-constexpr int kItemRows = 16;  // rows of W per item: 4 tiles, whose sums reduce together
+template <template <int, int, typename, bool> class Of>
+auto pick_kept(int64_t bits, int64_t block, bool half, bool min) {
+  return bits == 4 ? pick_block<Of, 4>(block, half, min) : pick_block<Of, 8>(block, half, min);
+}
+
+constexpr int kItemRows = 16;  // rows of W per item of a thread's work
 constexpr int64_t kTokenBlock = 192;  // tokens whose quantized x a thread keeps in L2
+constexpr int kTokens = 4;  // tokens of x per tile
+
+}  // namespace
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+namespace {
+
+// Scales and mins of up to 16 blocks as float32.
+inline __m512 load16(const at::Half* p, __mmask16 mask) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+}
+inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+
+constexpr int kRows = 4;  // rows of W per tile (or 1, at the end of W); 4 tiles an item
 
 // 64 u of a row (one step) at p: one per byte, or two per byte sharing bytes i and i + 32.
 template <bool PAIRED>
@@ -403,46 +464,23 @@ void tile(const Weight& w, const std::vector<Group>& groups, int64_t r0, const Q
   }
 }
 
-constexpr int kTokens = 4;  // tokens of x per tile
-
 using Tile = void (*)(const Weight&, const std::vector<Group>&, int64_t, const QuantizedX&,
                       int64_t, __m512*, int);
 
 // [prefetch][rows == 4][tokens == 4]: full tiles, and single rows or tokens for the edges.
 template <int BITS, int BLOCK, typename S, bool MIN>
 struct Tiles {
-  static constexpr Tile table[2][2][2] = {
+  static constexpr Tile entry[2][2][2] = {
       {{&tile<BITS, BLOCK, S, MIN, 1, 1, false>, &tile<BITS, BLOCK, S, MIN, 1, kTokens, false>},
        {&tile<BITS, BLOCK, S, MIN, kRows, 1, false>, &tile<BITS, BLOCK, S, MIN, kRows, kTokens, false>}},
       {{&tile<BITS, BLOCK, S, MIN, 1, 1, true>, &tile<BITS, BLOCK, S, MIN, 1, kTokens, true>},
        {&tile<BITS, BLOCK, S, MIN, kRows, 1, true>, &tile<BITS, BLOCK, S, MIN, kRows, kTokens, true>}}};
 };
 
-using TileTable = const Tile (*)[2][2];
+using Kernels = const Tile (*)[2][2];
 
-// Every layout: u of 4 or 8 bits, blocks of 16, 32, 64 or 128, float16 or float32 scales,
-// mins or a zero point. GGUF's types use blocks of 16 and 32 (gguf_blocks.FORMATS); the
-// group-quantized formats (AWQ, GPTQ, compressed-tensors) blocks of their group size, or
-// of 128 with a scale repeated for larger groups and per-channel scales.
-template <int BITS, int BLOCK>
-TileTable pick_scales(bool half, bool min) {
-  using H = at::Half;
-  if (half) return min ? Tiles<BITS, BLOCK, H, true>::table : Tiles<BITS, BLOCK, H, false>::table;
-  return min ? Tiles<BITS, BLOCK, float, true>::table : Tiles<BITS, BLOCK, float, false>::table;
-}
-
-template <int BITS>
-TileTable pick_block(int64_t block, bool half, bool min) {
-  switch (block) {
-    case 16: return pick_scales<BITS, 16>(half, min);
-    case 32: return pick_scales<BITS, 32>(half, min);
-    case 64: return pick_scales<BITS, 64>(half, min);
-    default: return pick_scales<BITS, 128>(half, min);
-  }
-}
-
-TileTable pick(int64_t bits, int64_t block, bool half, bool min) {
-  return bits == 4 ? pick_block<4>(block, half, min) : pick_block<8>(block, half, min);
+Kernels pick(int64_t bits, int64_t block, bool half, bool min) {
+  return pick_kept<Tiles>(bits, block, half, min);
 }
 
 // 16 float32 -> 16 bfloat16, rounded to nearest even (no BF16 instructions needed).
@@ -457,9 +495,10 @@ inline __m256i to_bf16(__m512 v) {
 // kTokenBlock; the first pass over the item prefetches the next item's weights), stored
 // into out (leading dimension ldo) with the bias bp (or none). The 16 rows' sums for a
 // token are reduced together and stored as one vector.
-inline void run_item(const Weight& w, const std::vector<Group>& groups, TileTable tiles,
+inline void run_item(const Weight& w, const std::vector<Group>& groups, Kernels tiles,
                      const QuantizedX& xq, int64_t n, int64_t item, int64_t tb, int64_t te,
-                     const c10::BFloat16* bp, c10::BFloat16* op, int64_t ldo, __m512* sums) {
+                     const c10::BFloat16* bp, c10::BFloat16* op, int64_t ldo) {
+  __m512 sums[kTokens * kItemRows];  // [token][row]
   const int64_t r0 = item * kItemRows, rows = std::min<int64_t>(kItemRows, n - r0);
   const __mmask16 row_mask = static_cast<__mmask16>((1u << rows) - 1);
   const __m512 b = bp != nullptr ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
@@ -487,6 +526,208 @@ inline void run_item(const Weight& w, const std::vector<Group>& groups, TileTabl
 
 }  // namespace
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// ----- the same layouts on AVX2, without VNNI -----
+//
+// A lane's four u8 x s8 products are summed by VPMADDUBSW (pairs into int16) and VPMADDWD
+// (pairs of pairs into int32): what one VNNI instruction does. A pair of 4-bit u by x is at
+// most 2 * 15 * 127 and fits int16, but 8-bit u could saturate it, so those multiply as
+// q = u - 128 instead (|q| by x with q's sign: at most 2 * 128 * 127), and the 128 dx
+// sum(q_x) that this leaves out joins each block's min term. A step's 64 bytes are two
+// 256-bit halves, of 8 lanes each. A thread runs a row at a time over 4 tokens at a time,
+// so that each step's u is unpacked once for the 4.
+namespace {
+
+// Scales and mins of 8 blocks as float32.
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256i load32(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// acc + the sums of a lane's four products of u (unsigned, or signed q where SIGNED) by x
+template <bool SIGNED>
+inline __m256i dot4(__m256i acc, __m256i u, const int8_t* x) {
+  const __m256i xv = load32(x);
+  const __m256i pairs = SIGNED ? _mm256_maddubs_epi16(_mm256_abs_epi8(u), _mm256_sign_epi8(xv, u))
+                               : _mm256_maddubs_epi16(u, xv);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+// The 64 u of step j of group g of a row (as q = u - 128 for 8 bits), in two halves.
+template <int BITS>
+inline void step_u(const uint8_t* row, const Group& g, int j, __m256i& lo, __m256i& hi) {
+  const int lanes = g.blocks * g.lanes_per_block;
+  const uint8_t* p = row + g.weight_offset;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  alignas(32) uint8_t padded[64];
+  // 4 bytes a lane from src; a group of fewer than 16 lanes through a zeroed buffer
+  auto load_lanes = [&](const uint8_t* src) {
+    if (lanes < 16) {
+      std::memset(padded, 0, sizeof(padded));
+      std::memcpy(padded, src, 4 * lanes);
+      src = padded;
+    }
+    lo = load32(src);
+    hi = load32(src + 32);
+  };
+  if (BITS == 8) {
+    load_lanes(p + j * 4 * lanes);
+    lo = _mm256_xor_si256(lo, _mm256_set1_epi8(static_cast<char>(0x80)));
+    hi = _mm256_xor_si256(hi, _mm256_set1_epi8(static_cast<char>(0x80)));
+  } else if (g.steps >= 2) {  // steps 2i and 2i + 1 share bytes, 2i in the low halves
+    load_lanes(p + (j / 2) * 4 * lanes);
+    lo = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(lo, 4) : lo, nibble);
+    hi = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(hi, 4) : hi, nibble);
+  } else if (lanes == 16) {  // one step: bytes i and i + 32 share byte i
+    const __m256i raw = load32(p);
+    lo = _mm256_and_si256(raw, nibble);
+    hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+  } else {  // one u a byte
+    load_lanes(p);
+  }
+}
+
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// res[t] = row `row` of W by token t0 + t of x, for T tokens.
+template <int BITS, int BLOCK, typename S, bool MIN, int T>
+void row_dots(const Weight& w, const std::vector<Group>& groups, int64_t row,
+              const QuantizedX& x, int64_t t0, float* res) {
+  constexpr bool kSigned = BITS == 8;
+  const uint8_t* wrow = w.data + row * w.row_bytes;
+  const S* scales = static_cast<const S*>(w.scales) + row * w.blocks;
+  const S* mins = static_cast<const S*>(w.mins) + (MIN ? row * w.blocks : 0);
+  // a block's min term: m, or -zero s; with 8 bits, + 128 s for the q = u - 128 products
+  const float zero = w.zero - (kSigned ? 128.f : 0.f);
+  const int8_t* xq[T];
+  const float *xs[T], *xsum[T];
+  for (int t = 0; t < T; ++t) {
+    xq[t] = x.q.data() + (t0 + t) * x.q_stride;
+    xs[t] = x.scale.data() + (t0 + t) * x.block_stride;
+    xsum[t] = x.sum.data() + (t0 + t) * x.block_stride;
+  }
+  __m256 acc[T];
+  float tail[T];
+  for (int t = 0; t < T; ++t) {
+    acc[t] = _mm256_setzero_ps();
+    tail[t] = 0.f;
+  }
+  for (const Group& g : groups) {
+    __m256i dot[T][2];
+    for (int t = 0; t < T; ++t) dot[t][0] = dot[t][1] = _mm256_setzero_si256();
+    const int64_t b0 = g.first_block;
+    if (g.blocks == 16) {  // one block a lane, BLOCK / 4 steps: nearly all of a row
+      const uint8_t* p = wrow + g.weight_offset;
+#pragma GCC unroll 8
+      for (int j = 0; j < BLOCK / 4; ++j) {
+        __m256i lo, hi;
+        if constexpr (BITS == 4) {
+          const uint8_t* pair = p + (j / 2) * 64;
+          lo = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(load32(pair), 4) : load32(pair),
+                                _mm256_set1_epi8(0x0F));
+          hi = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(load32(pair + 32), 4) : load32(pair + 32),
+                                _mm256_set1_epi8(0x0F));
+        } else {
+          lo = _mm256_xor_si256(load32(p + j * 64), _mm256_set1_epi8(static_cast<char>(0x80)));
+          hi = _mm256_xor_si256(load32(p + j * 64 + 32), _mm256_set1_epi8(static_cast<char>(0x80)));
+        }
+        for (int t = 0; t < T; ++t) {
+          const int8_t* xj = xq[t] + g.x_offset + j * 64;
+          dot[t][0] = dot4<kSigned>(dot[t][0], lo, xj);
+          dot[t][1] = dot4<kSigned>(dot[t][1], hi, xj + 32);
+        }
+      }
+      // s dx dot + (m or -zero s) dx sum(q), 8 blocks a half
+      for (int h = 0; h < 2; ++h) {
+        const __m256 s = load8(scales + b0 + 8 * h);
+        const __m256 m = MIN ? _mm256_fmadd_ps(s, _mm256_set1_ps(kSigned ? 128.f : 0.f),
+                                               load8(mins + b0 + 8 * h))
+                             : _mm256_mul_ps(s, _mm256_set1_ps(-zero));
+        for (int t = 0; t < T; ++t) {
+          const __m256 scale = _mm256_mul_ps(s, _mm256_loadu_ps(xs[t] + b0 + 8 * h));
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t][h]), scale,
+                                   _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum[t] + b0 + 8 * h), acc[t]));
+        }
+      }
+      continue;
+    }
+    // one of a row's last groups: its lanes summed per block, one block at a time
+    for (int j = 0; j < g.steps; ++j) {
+      __m256i lo, hi;
+      step_u<BITS>(wrow, g, j, lo, hi);
+      for (int t = 0; t < T; ++t) {
+        const int8_t* xj = xq[t] + g.x_offset + j * 64;
+        dot[t][0] = dot4<kSigned>(dot[t][0], lo, xj);
+        dot[t][1] = dot4<kSigned>(dot[t][1], hi, xj + 32);
+      }
+    }
+    const int per_block = g.lanes_per_block;
+    for (int t = 0; t < T; ++t) {
+      alignas(32) int32_t lanes[16];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), dot[t][0]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes + 8), dot[t][1]);
+      for (int lb = 0; lb < g.blocks; ++lb) {
+        int32_t d = 0;
+        for (int i = 0; i < per_block; ++i) d += lanes[lb * per_block + i];
+        const int64_t b = b0 + lb;
+        const float s = static_cast<float>(scales[b]);
+        const float m = MIN ? static_cast<float>(mins[b]) + (kSigned ? 128.f * s : 0.f) : -zero * s;
+        tail[t] += s * xs[t][b] * static_cast<float>(d) + m * xsum[t][b];
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) res[t] = hsum8(acc[t]) + tail[t];
+}
+
+using RowDots = void (*)(const Weight&, const std::vector<Group>&, int64_t, const QuantizedX&,
+                         int64_t, float*);
+
+// [tokens == 4]
+template <int BITS, int BLOCK, typename S, bool MIN>
+struct RowDotsOf {
+  static constexpr RowDots entry[2] = {&row_dots<BITS, BLOCK, S, MIN, 1>,
+                                       &row_dots<BITS, BLOCK, S, MIN, kTokens>};
+};
+
+using Kernels = const RowDots*;
+
+Kernels pick(int64_t bits, int64_t block, bool half, bool min) {
+  return pick_kept<RowDotsOf>(bits, block, half, min);
+}
+
+// Rows [16 item, 16 item + 16) of W (n rows) with tokens [tb, te) of x, stored into out
+// (leading dimension ldo) with the bias bp (or none).
+inline void run_item(const Weight& w, const std::vector<Group>& groups, Kernels dots,
+                     const QuantizedX& xq, int64_t n, int64_t item, int64_t tb, int64_t te,
+                     const c10::BFloat16* bp, c10::BFloat16* op, int64_t ldo) {
+  const int64_t r0 = item * kItemRows, r1 = std::min<int64_t>(n, r0 + kItemRows);
+  for (int64_t t0 = tb; t0 < te; t0 += kTokens) {
+    const int tokens = static_cast<int>(std::min<int64_t>(kTokens, te - t0));
+    for (int64_t r = r0; r < r1; ++r) {
+      float res[kTokens];
+      if (tokens == kTokens) {
+        dots[1](w, groups, r, xq, t0, res);
+      } else {
+        for (int t = 0; t < tokens; ++t) dots[0](w, groups, r, xq, t0 + t, res + t);
+      }
+      const float b = bp != nullptr ? static_cast<float>(bp[r]) : 0.f;
+      for (int t = 0; t < tokens; ++t) op[(t0 + t) * ldo + r] = c10::BFloat16(res[t] + b);
+    }
+  }
+}
+
+}  // namespace
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // The arguments' checks, shared by the kernels; the layout of a row of W. silu_mul: out
 // holds silu(gate) * up of W's two halves, n / 2 columns.
 static const RowLayout& check_quant_gemm(const at::Tensor& out, const at::Tensor& x,
@@ -533,7 +774,7 @@ void quant_gemm(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales
 
   const QuantizedX xq = quantize_x(x, block, groups);
   const Weight w = weight_of(data, scales, mins, zero);
-  const TileTable tiles = pick(bits, block, scales.scalar_type() == at::kHalf, mins.has_value());
+  const Kernels kernels = pick(bits, block, scales.scalar_type() == at::kHalf, mins.has_value());
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   const int64_t ldo = out.stride(0), items = (n + kItemRows - 1) / kItemRows;
@@ -542,11 +783,10 @@ void quant_gemm(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales
   // (the first pass over an item prefetches the next item's weights).
   at::parallel_for(0, items, std::max<int64_t>(1, 16 / std::min<int64_t>(m, 16)),
                    [&](int64_t begin, int64_t end) {
-    __m512 sums[kTokens * kItemRows];  // [token][row]
     for (int64_t tb = 0; tb < m; tb += kTokenBlock) {
       const int64_t te = std::min(m, tb + kTokenBlock);
       for (int64_t item = begin; item < end; ++item)
-        run_item(w, groups, tiles, xq, n, item, tb, te, bp, op, ldo, sums);
+        run_item(w, groups, kernels, xq, n, item, tb, te, bp, op, ldo);
     }
   });
 }
@@ -577,20 +817,19 @@ void quant_gemm_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> da
   const int64_t m = x.size(0), n = data[0].size(0);
   if (m == 0) return;
   const QuantizedX xq = quantize_x(x, block, groups);
-  const TileTable tiles = pick(bits, block, scales[0].scalar_type() == at::kHalf, !mins.empty());
+  const Kernels kernels = pick(bits, block, scales[0].scalar_type() == at::kHalf, !mins.empty());
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   const int64_t ldo = out.stride(0), items = (n + kItemRows - 1) / kItemRows;
   // Every (weight, 16-row item) is one unit of a single parallel loop; each runs over its
   // weight's tokens.
   at::parallel_for(0, weights * items, 1, [&](int64_t begin, int64_t end) {
-    __m512 sums[kTokens * kItemRows];
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t g = unit / items, item = unit % items;
       const Weight w = weight_of(data[g], scales[g], mins_of(g), zero);
       const c10::BFloat16* bp = biases.empty() ? nullptr : biases[g].data_ptr<c10::BFloat16>();
       for (int64_t tb = offsets[g]; tb < offsets[g + 1]; tb += kTokenBlock)
-        run_item(w, groups, tiles, xq, n, item, tb, std::min(offsets[g + 1], tb + kTokenBlock),
-                 bp, op, ldo, sums);
+        run_item(w, groups, kernels, xq, n, item, tb, std::min(offsets[g + 1], tb + kTokenBlock),
+                 bp, op, ldo);
     }
   });
 }
@@ -683,9 +922,9 @@ void dequantize_panel(const Weight& w, const int64_t* first, int64_t ahead,
   }
 }
 
-template <int BITS, typename S, bool MIN>
+template <int BITS, int BLOCK, typename S, bool MIN>
 struct PanelDequantizer {
-  static constexpr auto fn = &dequantize_panel<BITS, S, MIN>;
+  static constexpr auto entry = &dequantize_panel<BITS, S, MIN>;
 };
 
 // quant_gemm_bf16 below: its panels on the AVX-512 GEMM's register tiles.
@@ -701,7 +940,7 @@ void quant_gemm_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& d
               "and (k, k+1) pairs of x expected");
   if (m == 0) return;
   const Weight w = weight_of(data, scales, mins, zero);
-  const auto dequantize = pick_kept<PanelDequantizer>(bits, scales.scalar_type() == at::kHalf,
+  const auto dequantize = pick_kept<PanelDequantizer>(bits, block, scales.scalar_type() == at::kHalf,
                                                       mins.has_value());
   // with silu_mul, a panel is 16 rows of gate and the same 16 of up, and its bias too
   const c10::optional<at::Tensor> panel_bias =
@@ -779,9 +1018,9 @@ void dequantize_rows(const Weight& w, const int64_t* first, int64_t ahead,
   }
 }
 
-template <int BITS, typename S, bool MIN>
+template <int BITS, int BLOCK, typename S, bool MIN>
 struct RowsDequantizer {
-  static constexpr auto fn = &dequantize_rows<BITS, S, MIN>;
+  static constexpr auto entry = &dequantize_rows<BITS, S, MIN>;
 };
 
 // x's rows as B tiles for those A tiles, into buffer (grown if needed): [token tile][chunk]
@@ -869,7 +1108,7 @@ void quant_gemm_rows_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor&
               "and (k, k+1) pairs of x expected");
   if (m == 0) return;
   const Weight w = weight_of(data, scales, mins, zero);
-  const auto dequantize = pick_kept<RowsDequantizer>(bits, scales.scalar_type() == at::kHalf,
+  const auto dequantize = pick_kept<RowsDequantizer>(bits, block, scales.scalar_type() == at::kHalf,
                                                      mins.has_value());
   const int64_t chunks = static_cast<int64_t>(layout.pairs.size()) / 16;
   // x's tiles, in a buffer that this thread keeps for the next call unless it is large

@@ -58,7 +58,7 @@ class KernelTable:
     gemm_bf16_amx: Kernel | None
     decode_attention_amx: Kernel | None
     prefill_softmax_bf16: Kernel | None
-    quant_gemm: Kernel | None  # AVX-512 VNNI
+    quant_gemm: Kernel | None  # AVX-512 VNNI, or AVX2's int8 multiply-adds
     quant_gemm_grouped: Kernel | None
     quant_gemm_bf16: Kernel | None  # AVX-512 VNNI and BF16
     quant_gemm_bf16_amx: Kernel | None
@@ -66,18 +66,20 @@ class KernelTable:
     fp8_gemm_bf16: Kernel | None  # AVX-512 BF16
     fp8_gemm_bf16_amx: Kernel | None
     sample_from_logits: Kernel | None  # AVX-512
+    isa: str  # what the build was compiled for: avx2, avx512, avx512_bf16 (or generic)
     module: ModuleType = field(repr=False, compare=False)  # the extension itself
 
     @classmethod
     def of(cls, module: ModuleType) -> KernelTable:
         return cls(**{f.name: getattr(module, f.name, None) for f in fields(cls)
-                      if f.name != "module"}, module=module)
+                      if f.name not in ("module", "isa")},
+                   isa=getattr(module, "isa", "generic"), module=module)
 
     @property
     def available(self) -> list[str]:
         """The kernels this build has."""
         return [f.name for f in fields(self)
-                if f.name != "module" and getattr(self, f.name) is not None]
+                if f.name not in ("module", "isa") and getattr(self, f.name) is not None]
 
 
 @functools.cache  # asked on every quantized matmul (which kernel runs so many rows)
@@ -126,10 +128,30 @@ def load_prebuilt(level: IsaLevel) -> ModuleType | None:
     return module
 
 
+def chosen_level() -> IsaLevel | None:
+    """The level whose library runs: the highest this CPU runs, or CPULLM_KERNEL_ISA's."""
+    from cpullm import envs
+
+    flags = cpu_info().flags
+    name = envs.CPULLM_KERNEL_ISA
+    if name is None:
+        return best_level(flags)
+    level = next((level for level in ISA_LEVELS if level.name == name), None)
+    if level is None:
+        raise ValueError(f"CPULLM_KERNEL_ISA={name!r}: choose from "
+                         f"{', '.join(level.name for level in ISA_LEVELS)}")
+    if not level.needs <= flags:
+        raise ValueError(f"CPULLM_KERNEL_ISA={name!r}: this CPU lacks "
+                         f"{', '.join(sorted(level.needs - flags))}")
+    return level
+
+
 @functools.cache
 def load_ops() -> KernelTable | None:
+    from cpullm import envs
+
     start = time.perf_counter()
-    level = best_level(cpu_info().flags)
+    level = chosen_level()
     module = load_prebuilt(level) if level is not None else None
     if module is not None:
         origin = f"the {level.name} build"  # type: ignore[union-attr]
@@ -137,11 +159,15 @@ def load_ops() -> KernelTable | None:
         from torch.utils import cpp_extension
 
         kernel_build.put_ninja_on_path()
+        # a level asked for by name: its own flags, not all of this CPU's
+        forced = level if envs.CPULLM_KERNEL_ISA is not None else None
         try:
             module = cpp_extension.load(
-                name=build_name(), sources=kernel_build.sources(),
-                extra_cflags=[*kernel_build.CFLAGS, "-march=native"], extra_ldflags=["-fopenmp"],
-                verbose=False)
+                name=build_name() + (f"_{forced.name}" if forced else ""),
+                sources=kernel_build.sources(),
+                extra_cflags=[*kernel_build.CFLAGS,
+                              *(forced.cflags if forced else ("-march=native",))],
+                extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as e:  # noqa: BLE001 - any build failure means: use torch ops
             logger.warning("CPU kernels could not be built (%s); using plain torch ops", e)
             return None

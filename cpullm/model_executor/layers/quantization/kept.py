@@ -123,7 +123,8 @@ class QuantizedWeight(nn.Module):
 
     @staticmethod
     def kernels_run(ops: KernelTable | None, dtype: torch.dtype) -> bool:
-        """Whether cpullm's quantized kernels run here: AVX-512 VNNI, bfloat16 compute."""
+        """Whether cpullm's quantized kernels run here: AVX-512 VNNI or AVX2, bfloat16
+        compute."""
         return ops is not None and ops.quant_gemm is not None and dtype == torch.bfloat16
 
     def amx_runs(self, ops: KernelTable) -> bool:
@@ -134,7 +135,7 @@ class QuantizedWeight(nn.Module):
 
     def kernel_for(self, rows: int, ops: KernelTable | None, dtype: torch.dtype) -> str:
         """What multiplies ``rows`` rows of x: "int8" (cpullm's dot products on the blocks,
-        AVX-512 VNNI), "panels" (cpullm's bf16 GEMM on panels dequantized 32 rows at a
+        AVX-512 VNNI, or AVX2 for every number of rows), "panels" (cpullm's bf16 GEMM on panels dequantized 32 rows at a
         time, AVX-512 BF16), "amx" (those panels on AMX tiles) or "torch" (ATen on weights
         dequantized a slice at a time)."""
         if not self.kernels_run(ops, dtype):
@@ -206,8 +207,10 @@ class QuantizedWeight(nn.Module):
         few, many = self.kernel_for(1, ops, dtype), self.kernel_for(1 << 20, ops, dtype)
         if few == "torch":
             return f"{name}: dequantized a slice at a time, ATen linear"
+        assert ops is not None
         if many == "int8":
-            return f"{name}: cpullm int8 dot products (AVX-512 VNNI)"
+            isa = "AVX2" if ops.isa == "avx2" else "AVX-512 VNNI"
+            return f"{name}: cpullm int8 dot products ({isa})"
         if many == "amx":
             return (f"{name}: cpullm int8 dot products (AVX-512 VNNI) up to "
                     f"{AMX_PANELS_MIN_ROWS} rows, above it bf16 AMX tiles of W dequantized 32 "
