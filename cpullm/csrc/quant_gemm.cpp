@@ -544,6 +544,22 @@ inline __m256 load8(const at::Half* p) {
 }
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
+// Lanes [0, count) set; and the scales or mins of count blocks (a last group's: 1, 2, 4 or
+// 8), zero past them, read with no byte past them (nor through a store, which would stall
+// the load behind it).
+inline __m256i first_lanes(int count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline __m256 load_first(const at::Half* p, int count) {
+  if (count == 1) return _mm256_setr_ps(static_cast<float>(p[0]), 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f);
+  const __m128i pairs = _mm_maskload_epi32(reinterpret_cast<const int*>(p),
+                                           _mm256_castsi256_si128(first_lanes(count / 2)));
+  return _mm256_cvtph_ps(pairs);
+}
+inline __m256 load_first(const float* p, int count) {
+  return _mm256_maskload_ps(p, first_lanes(count));
+}
+
 inline __m256i load32(const void* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
@@ -563,16 +579,16 @@ inline void step_u(const uint8_t* row, const Group& g, int j, __m256i& lo, __m25
   const int lanes = g.blocks * g.lanes_per_block;
   const uint8_t* p = row + g.weight_offset;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
-  alignas(32) uint8_t padded[64];
-  // 4 bytes a lane from src; a group of fewer than 16 lanes through a zeroed buffer
+  // 4 bytes a lane from src; a group of fewer than 16 lanes by masked loads, zero past it
   auto load_lanes = [&](const uint8_t* src) {
-    if (lanes < 16) {
-      std::memset(padded, 0, sizeof(padded));
-      std::memcpy(padded, src, 4 * lanes);
-      src = padded;
+    if (lanes == 16) {
+      lo = load32(src);
+      hi = load32(src + 32);
+      return;
     }
-    lo = load32(src);
-    hi = load32(src + 32);
+    const int* words = reinterpret_cast<const int*>(src);
+    lo = _mm256_maskload_epi32(words, first_lanes(std::min(lanes, 8)));
+    hi = _mm256_maskload_epi32(words + 8, first_lanes(std::max(lanes - 8, 0)));
   };
   if (BITS == 8) {
     load_lanes(p + j * 4 * lanes);
@@ -615,34 +631,47 @@ void row_dots(const Weight& w, const std::vector<Group>& groups, int64_t row,
     xsum[t] = x.sum.data() + (t0 + t) * x.block_stride;
   }
   __m256 acc[T];
-  float tail[T];
-  for (int t = 0; t < T; ++t) {
-    acc[t] = _mm256_setzero_ps();
-    tail[t] = 0.f;
-  }
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
   for (const Group& g : groups) {
     __m256i dot[T][2];
     for (int t = 0; t < T; ++t) dot[t][0] = dot[t][1] = _mm256_setzero_si256();
     const int64_t b0 = g.first_block;
     if (g.blocks == 16) {  // one block a lane, BLOCK / 4 steps: nearly all of a row
       const uint8_t* p = wrow + g.weight_offset;
+      if constexpr (BITS == 4) {
+        // A step's pairs of 4-bit products (at most 2 * 15 * 127) add up in int16 over up
+        // to 8 steps (at most 30480) before one VPMADDWD widens them: half the multiplies.
+        for (int j0 = 0; j0 < BLOCK / 4; j0 += 8) {
+          __m256i pairs[T][2];
+          for (int t = 0; t < T; ++t) pairs[t][0] = pairs[t][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-      for (int j = 0; j < BLOCK / 4; ++j) {
-        __m256i lo, hi;
-        if constexpr (BITS == 4) {
-          const uint8_t* pair = p + (j / 2) * 64;
-          lo = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(load32(pair), 4) : load32(pair),
-                                _mm256_set1_epi8(0x0F));
-          hi = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(load32(pair + 32), 4) : load32(pair + 32),
-                                _mm256_set1_epi8(0x0F));
-        } else {
-          lo = _mm256_xor_si256(load32(p + j * 64), _mm256_set1_epi8(static_cast<char>(0x80)));
-          hi = _mm256_xor_si256(load32(p + j * 64 + 32), _mm256_set1_epi8(static_cast<char>(0x80)));
+          for (int j = j0; j < j0 + std::min(8, BLOCK / 4); ++j) {
+            const uint8_t* pair = p + (j / 2) * 64;
+            const __m256i lo = _mm256_and_si256(
+                j % 2 ? _mm256_srli_epi16(load32(pair), 4) : load32(pair), _mm256_set1_epi8(0x0F));
+            const __m256i hi = _mm256_and_si256(
+                j % 2 ? _mm256_srli_epi16(load32(pair + 32), 4) : load32(pair + 32),
+                _mm256_set1_epi8(0x0F));
+            for (int t = 0; t < T; ++t) {
+              const int8_t* xj = xq[t] + g.x_offset + j * 64;
+              pairs[t][0] = _mm256_add_epi16(pairs[t][0], _mm256_maddubs_epi16(lo, load32(xj)));
+              pairs[t][1] = _mm256_add_epi16(pairs[t][1], _mm256_maddubs_epi16(hi, load32(xj + 32)));
+            }
+          }
+          for (int t = 0; t < T; ++t)
+            for (int h = 0; h < 2; ++h)
+              dot[t][h] = _mm256_add_epi32(dot[t][h], _mm256_madd_epi16(pairs[t][h], _mm256_set1_epi16(1)));
         }
-        for (int t = 0; t < T; ++t) {
-          const int8_t* xj = xq[t] + g.x_offset + j * 64;
-          dot[t][0] = dot4<kSigned>(dot[t][0], lo, xj);
-          dot[t][1] = dot4<kSigned>(dot[t][1], hi, xj + 32);
+      } else {
+#pragma GCC unroll 8
+        for (int j = 0; j < BLOCK / 4; ++j) {
+          const __m256i lo = _mm256_xor_si256(load32(p + j * 64), _mm256_set1_epi8(static_cast<char>(0x80)));
+          const __m256i hi = _mm256_xor_si256(load32(p + j * 64 + 32), _mm256_set1_epi8(static_cast<char>(0x80)));
+          for (int t = 0; t < T; ++t) {
+            const int8_t* xj = xq[t] + g.x_offset + j * 64;
+            dot[t][0] = dot4<true>(dot[t][0], lo, xj);
+            dot[t][1] = dot4<true>(dot[t][1], hi, xj + 32);
+          }
         }
       }
       // s dx dot + (m or -zero s) dx sum(q), 8 blocks a half
@@ -659,7 +688,8 @@ void row_dots(const Weight& w, const std::vector<Group>& groups, int64_t row,
       }
       continue;
     }
-    // one of a row's last groups: its lanes summed per block, one block at a time
+    // One of a row's last groups (at most 8 blocks, over 2 to 16 lanes each): each lane's
+    // sum meets its block's scale, spread to its lanes.
     for (int j = 0; j < g.steps; ++j) {
       __m256i lo, hi;
       step_u<BITS>(wrow, g, j, lo, hi);
@@ -669,22 +699,24 @@ void row_dots(const Weight& w, const std::vector<Group>& groups, int64_t row,
         dot[t][1] = dot4<kSigned>(dot[t][1], hi, xj + 32);
       }
     }
-    const int per_block = g.lanes_per_block;
+    const int shift = __builtin_ctz(static_cast<unsigned>(g.lanes_per_block));
+    const __m256i spread[2] = {
+        _mm256_srli_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), shift),
+        _mm256_srli_epi32(_mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15), shift)};
+    const __m256i in_group = first_lanes(g.blocks);
+    const __m256 s = load_first(scales + b0, g.blocks);
+    const __m256 m = MIN ? _mm256_fmadd_ps(s, _mm256_set1_ps(kSigned ? 128.f : 0.f),
+                                           load_first(mins + b0, g.blocks))
+                         : _mm256_mul_ps(s, _mm256_set1_ps(-zero));
     for (int t = 0; t < T; ++t) {
-      alignas(32) int32_t lanes[16];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), dot[t][0]);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes + 8), dot[t][1]);
-      for (int lb = 0; lb < g.blocks; ++lb) {
-        int32_t d = 0;
-        for (int i = 0; i < per_block; ++i) d += lanes[lb * per_block + i];
-        const int64_t b = b0 + lb;
-        const float s = static_cast<float>(scales[b]);
-        const float m = MIN ? static_cast<float>(mins[b]) + (kSigned ? 128.f * s : 0.f) : -zero * s;
-        tail[t] += s * xs[t][b] * static_cast<float>(d) + m * xsum[t][b];
-      }
+      const __m256 scale = _mm256_mul_ps(s, _mm256_maskload_ps(xs[t] + b0, in_group));
+      for (int h = 0; h < 2; ++h)
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t][h]),
+                                 _mm256_permutevar8x32_ps(scale, spread[h]), acc[t]);
+      acc[t] = _mm256_fmadd_ps(m, _mm256_maskload_ps(xsum[t] + b0, in_group), acc[t]);
     }
   }
-  for (int t = 0; t < T; ++t) res[t] = hsum8(acc[t]) + tail[t];
+  for (int t = 0; t < T; ++t) res[t] = hsum8(acc[t]);
 }
 
 using RowDots = void (*)(const Weight&, const std::vector<Group>&, int64_t, const QuantizedX&,
