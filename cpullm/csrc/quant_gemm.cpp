@@ -621,8 +621,13 @@ void row_dots(const Weight& w, const std::vector<Group>& groups, int64_t row,
   const uint8_t* wrow = w.data + row * w.row_bytes;
   const S* scales = static_cast<const S*>(w.scales) + row * w.blocks;
   const S* mins = static_cast<const S*>(w.mins) + (MIN ? row * w.blocks : 0);
-  // a block's min term: m, or -zero s; with 8 bits, + 128 s for the q = u - 128 products
-  const float zero = w.zero - (kSigned ? 128.f : 0.f);
+  // A block's min term from its scales s and its stored mins: m, or -zero s; with 8 bits,
+  // + 128 s for the q = u - 128 products.
+  const __m256 offset = _mm256_set1_ps(kSigned ? 128.f : 0.f);
+  const __m256 minus_zero = _mm256_set1_ps(kSigned ? 128.f - w.zero : -w.zero);
+  auto min_term = [&](__m256 s, __m256 stored) {
+    return MIN ? _mm256_fmadd_ps(s, offset, stored) : _mm256_mul_ps(s, minus_zero);
+  };
   const int8_t* xq[T];
   const float *xs[T], *xsum[T];
   for (int t = 0; t < T; ++t) {
@@ -677,9 +682,7 @@ void row_dots(const Weight& w, const std::vector<Group>& groups, int64_t row,
       // s dx dot + (m or -zero s) dx sum(q), 8 blocks a half
       for (int h = 0; h < 2; ++h) {
         const __m256 s = load8(scales + b0 + 8 * h);
-        const __m256 m = MIN ? _mm256_fmadd_ps(s, _mm256_set1_ps(kSigned ? 128.f : 0.f),
-                                               load8(mins + b0 + 8 * h))
-                             : _mm256_mul_ps(s, _mm256_set1_ps(-zero));
+        const __m256 m = min_term(s, MIN ? load8(mins + b0 + 8 * h) : s);
         for (int t = 0; t < T; ++t) {
           const __m256 scale = _mm256_mul_ps(s, _mm256_loadu_ps(xs[t] + b0 + 8 * h));
           acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t][h]), scale,
@@ -705,9 +708,7 @@ void row_dots(const Weight& w, const std::vector<Group>& groups, int64_t row,
         _mm256_srli_epi32(_mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15), shift)};
     const __m256i in_group = first_lanes(g.blocks);
     const __m256 s = load_first(scales + b0, g.blocks);
-    const __m256 m = MIN ? _mm256_fmadd_ps(s, _mm256_set1_ps(kSigned ? 128.f : 0.f),
-                                           load_first(mins + b0, g.blocks))
-                         : _mm256_mul_ps(s, _mm256_set1_ps(-zero));
+    const __m256 m = min_term(s, MIN ? load_first(mins + b0, g.blocks) : s);
     for (int t = 0; t < T; ++t) {
       const __m256 scale = _mm256_mul_ps(s, _mm256_maskload_ps(xs[t] + b0, in_group));
       for (int h = 0; h < 2; ++h)

@@ -135,9 +135,9 @@ class QuantizedWeight(nn.Module):
 
     def kernel_for(self, rows: int, ops: KernelTable | None, dtype: torch.dtype) -> str:
         """What multiplies ``rows`` rows of x: "int8" (cpullm's dot products on the blocks,
-        AVX-512 VNNI, or AVX2 for every number of rows), "panels" (cpullm's bf16 GEMM on panels dequantized 32 rows at a
-        time, AVX-512 BF16), "amx" (those panels on AMX tiles) or "torch" (ATen on weights
-        dequantized a slice at a time)."""
+        AVX-512 VNNI, or AVX2 for every number of rows), "panels" (cpullm's bf16 GEMM on
+        panels dequantized 32 rows at a time, AVX-512 BF16), "amx" (those panels on AMX
+        tiles) or "torch" (ATen on weights dequantized a slice at a time)."""
         if not self.kernels_run(ops, dtype):
             return "torch"
         assert ops is not None
@@ -385,9 +385,10 @@ class KeptLinearMethod(LinearMethod):
         rows = x.reshape(-1, x.shape[-1])
         segments, bias = layer.segments, layer.bias
         whole = segments[0].quantized if len(segments) == 1 and segments[0].perm is None else None
-        if layer.act is not None and whole is not None:
+        kernel = None  # the one kernel_for asked, passed on
+        if whole is not None:
             kernel = whole.kernel_for(rows.shape[0], layer.ops, rows.dtype)
-            if whole.fuses_silu_mul(kernel):
+            if layer.act is not None and whole.fuses_silu_mul(kernel):
                 # gate and up in one kept weight: the kernel stores silu(gate) * up itself
                 out = rows.new_empty(rows.shape[0], layer.output_size // 2)
                 whole.matmul_into(out, rows, bias, layer.ops, kernel, silu_mul=True)
@@ -403,7 +404,8 @@ class KeptLinearMethod(LinearMethod):
             target = out[:, segment.start:segment.end]
             if segment.quantized is not None:
                 inputs = rows if segment.perm is None else rows.index_select(1, segment.perm)
-                segment.quantized.matmul_into(target, inputs, seg_bias, layer.ops)
+                segment.quantized.matmul_into(target, inputs, seg_bias, layer.ops,
+                                              kernel if segment.quantized is whole else None)
             elif segment.gemm is not None:
                 target.copy_(segment.gemm(rows))  # the packed weight carries the bias
             else:
