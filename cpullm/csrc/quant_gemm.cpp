@@ -33,6 +33,8 @@
 // on top, loses; dequantizing a panel costs about 8 rows of the bf16 GEMM, and from ~20
 // rows on the panels are faster (docs/quantization.md). Where the CPU has AMX, the blocks'
 // dequantized rows are the A operand of the tiles instead (quant_gemm_bf16_amx, below).
+// Where the CPU has no AVX-512 VNNI, the AVX2 library runs the same int8 dot products on
+// 256-bit halves of the steps, for every number of rows (quant_gemm's AVX2 build, below).
 #include "amx.h"
 #include "gemm_tiles.h"
 #include "ops.h"
