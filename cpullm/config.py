@@ -120,10 +120,8 @@ class ModelConfig:
         from cpullm.model_executor.layers.ops import chosen_level
 
         level = chosen_level()
-        if self.quantization == "fp8":
-            runs = level is not None and "avx512_bf16" in level.needs
-        else:
-            runs = level is not None
+        needs = {"avx512_bf16"} if self.quantization == "fp8" else set()
+        runs = level is not None and needs <= level.needs
         return self.dtype == torch.bfloat16 and not self.enforce_eager and runs
 
     def weight_bytes(self) -> int:

@@ -111,7 +111,7 @@ def test_grouped_kernel_gives_each_weights_product(qtype):
     x = torch.randn(offsets[-1], k).bfloat16()
     tables = {id(table): table for table, kernel in quantized_kernel_runs() if kernel == "int8"}
     if not tables:
-        pytest.skip("no quantized kernels on this CPU")
+        pytest.skip("no quantized kernels: they need AVX2 (x86) and a kernel build")
     for table in tables.values():
         grouped = torch.empty(offsets[-1], n, dtype=torch.bfloat16)
         QuantizedWeight.matmul_grouped(grouped, x, weights, biases, offsets, table)
@@ -133,7 +133,7 @@ def test_kernels_store_silu_mul_of_a_gate_up_weight(qtype, rows):
     ops, kernels = quantized_kernels()
     fusing = [kernel for kernel in kernels if kernel in QuantizedWeight.silu_mul_kernels]
     if not fusing:
-        pytest.skip("no panel kernels on this CPU")
+        pytest.skip("the kernels that store SiLU-mul need AVX-512 BF16 or AMX")
     n, k = 96, width(qtype)
     weight = RawBlocks(qtype, random_blocks(qtype, n, k, np.random.default_rng(5)),
                        (n, k)).to_weight()
@@ -152,7 +152,7 @@ def test_kernel_writes_into_a_column_slice():
     """A merged layer's segments write their columns of one output."""
     ops, kernels = quantized_kernels()
     if not kernels:
-        pytest.skip("no quantized kernels on this CPU")
+        pytest.skip("no quantized kernels: they need AVX2 (x86) and a kernel build")
     rng = np.random.default_rng(4)
     weight = RawBlocks(T.Q4_1, random_blocks(T.Q4_1, 64, 256, rng), (64, 256)).to_weight()
     x = torch.randn(3, 256).bfloat16()
@@ -296,7 +296,8 @@ def test_mixed_types_on_the_avx2_kernels(mixed_gguf, monkeypatch):
     from cpullm.model_executor.layers import ops as ops_py
 
     if avx2_kernels() is None:
-        pytest.skip("this CPU does not run the AVX2 library, or the install did not build it")
+        pytest.skip("the AVX2 library needs an x86 CPU with AVX2, FMA and F16C, built by "
+                    "the install (make setup) from the sources as they are")
     _, exact = _generate(mixed_gguf, "float32")
     monkeypatch.setenv("CPULLM_KERNEL_ISA", "avx2")
     ops_py.load_ops.cache_clear()
