@@ -38,6 +38,7 @@ class ModelConfig:
     # cross-encoder's class or score logits); the pooling of its hidden states
     task: str = "generate"
     pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
+    lm_head_quantization: str | None = None  # "int8": the LM head quantized at load
 
     @property
     def is_pooling(self) -> bool:

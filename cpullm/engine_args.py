@@ -81,6 +81,7 @@ class EngineArgs:
     chat_template: str | None = None
     enforce_eager: bool = False
     quantization: str | None = None
+    lm_head_quantization: str | None = None
     load_format: str = "auto"
     nnodes: int = 1
     node_rank: int = 0
@@ -193,6 +194,13 @@ class EngineArgs:
                             + ", ".join(QUANTIZATION_METHODS) + "); unset: found from the "
                             "checkpoint (gguf for a .gguf file, else config.json's "
                             "quantization_config)")
+        parser.add_argument("--lm-head-quantization", default=d.lm_head_quantization,
+                            choices=["int8"],
+                            help="int8: keep the LM head (and the embedding table tied to "
+                            "it) as int8 with one scale per vocabulary row, quantized at "
+                            "load; half a bfloat16 head's bytes a step, logits close to but "
+                            "not equal to the checkpoint's; needs the quantized kernels "
+                            "(bfloat16 compute); unset: as the checkpoint stores it")
         parser.add_argument("--task", default=d.task, choices=list(TASKS),
                             help="what the model serves: auto (by its architecture), "
                             "generate, embed (an encoder's embeddings), classify or score "
@@ -278,7 +286,15 @@ class EngineArgs:
             served_model_name=self.served_model_name or self.model or (
                 DEFAULT_MODEL_NAME if task == "generate" else DEFAULT_EMBEDDING_MODEL_NAME),
             enforce_eager=self.enforce_eager, quantization=quantization, task=task,
-            pooler_config=pooler_config)
+            pooler_config=pooler_config, lm_head_quantization=self.lm_head_quantization)
+        if self.lm_head_quantization is not None and task != "generate":
+            raise ValueError(f"--lm-head-quantization: a pooling model (--task {task}) has no "
+                             "LM head")
+        if self.lm_head_quantization is not None and not model_config.keeps_quantized:
+            raise ValueError(f"--lm-head-quantization {self.lm_head_quantization} needs the "
+                             "quantized kernels: bfloat16 compute (dtype "
+                             f"{str(dtype).removeprefix('torch.')} here), no --enforce-eager, "
+                             "and a CPU with AVX2, FMA and F16C")
         sizes = ParallelConfig(  # validates the sizes before planning
             self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
             master_addr=self.master_addr,

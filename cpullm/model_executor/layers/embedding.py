@@ -9,7 +9,7 @@ from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import QuantizationConfig
 from cpullm.model_executor.layers.quantization.dense import PackedGemm
 from cpullm.model_executor.layers.quantization.gguf import RawBlocks
-from cpullm.model_executor.layers.quantization.int_groups import CheckpointScheme
+from cpullm.model_executor.layers.quantization.int_groups import CheckpointScheme, IntGroups
 from cpullm.model_executor.layers.quantization.kept import QuantizedWeight
 from cpullm.utils import cdiv
 
@@ -77,7 +77,10 @@ class LMHead(VocabEmbedding):
     """Projects hidden states to vocabulary logits. ``tied``: the embedding table whose
     weight it shares (quantized or not). A checkpoint whose format quantizes the LM head
     too (GPTQ's ``lm_head``: the config's ``lm_head_scheme``) loads the format's tensors
-    instead of a float weight, kept quantized as the linear layers are."""
+    instead of a float weight, kept quantized as the linear layers are. ``int8``
+    (--lm-head-quantization int8): a float head is quantized at load instead."""
+
+    _INT8_SLICE = 4096  # vocabulary rows quantized at a time (a float32 slice of the table)
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None,
                  quant_config: QuantizationConfig | None = None) -> None:
@@ -85,6 +88,7 @@ class LMHead(VocabEmbedding):
         self.gemm: PackedGemm | None = None
         self.tied: VocabEmbedding | None = None  # an instance attribute: a submodule once set
         self.ops: KernelTable | None = None
+        self.int8 = False
         self.scheme: CheckpointScheme | None = getattr(quant_config, "lm_head_scheme", None)
         if self.scheme is not None:
             self.pending: dict[str, torch.Tensor] = {}
@@ -143,10 +147,34 @@ class LMHead(VocabEmbedding):
         super().process_weights_after_loading(ops)  # an untied head's own blocks
         table = self.tied if self.tied is not None else self
         self.ops = ops
+        if self.int8 and table.quantized is None:
+            self._quantize_int8(table)
         if table.quantized is not None:
             self.quantized = table.quantized
         else:
             self.gemm = PackedGemm.create(self.weight.data, None, ops)
+
+    def _quantize_int8(self, table: VocabEmbedding) -> None:
+        """The float weight as int8 with one scale per vocabulary row (s = max |w| / 127,
+        q = round(w / s)) into ``table.quantized``, read by the quantized kernels; the float
+        weight is freed (a tied embedding table dequantizes the rows it looks up)."""
+        w = table.weight.data
+        n, k = w.shape
+        q = torch.empty(n, k, dtype=torch.uint8)
+        scales = torch.empty(n, 1)
+        for start in range(0, n, self._INT8_SLICE):
+            rows = w[start:start + self._INT8_SLICE].float()
+            s = rows.abs().amax(dim=1, keepdim=True) / 127
+            scales[start:start + len(rows)] = s
+            # a row of zeros: any divisor gives q = 0 (stored as 128)
+            q[start:start + len(rows)] = (torch.round(rows / s.clamp(min=1e-30)) + 128
+                                          ).to(torch.uint8)
+        weight = IntGroups(q, scales, None, 8, k).to_weight("int8 channel", "at load")
+        if weight is None:
+            raise ValueError(f"--lm-head-quantization int8: the hidden size {k} is not a "
+                             "multiple of 16")
+        table.quantized = weight
+        table.weight.data = torch.empty(0, dtype=w.dtype)
 
     def describe(self) -> str:
         """Which kernel computes the logits, for the debug log."""

@@ -41,6 +41,10 @@ def get_model(config: ModelConfig, ops: KernelTable | None) -> nn.Module:
         weights = iterate_pickle(source.directory)
     else:
         weights = iterate_safetensors(source.directory)
+    if config.lm_head_quantization == "int8":
+        for module in model.modules():
+            if isinstance(module, LMHead):
+                module.int8 = True
     with torch.no_grad():
         model.load_weights(weights)  # type: ignore[operator]
         finish_loading(model, ops)
