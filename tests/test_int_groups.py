@@ -125,7 +125,7 @@ def test_awq_word_layout():
     values = torch.arange(8, dtype=torch.int32).reshape(1, 8)
     word = _pack_awq(values)
     assert int(word[0, 0]) & 0xFFFFFFFF == 0x75316420
-    assert torch.equal(unpack_awq(word), values)
+    assert torch.equal(unpack_awq(word), values.to(torch.uint8))
 
 
 # ----- checkpoints, packed from the formats' layouts -----

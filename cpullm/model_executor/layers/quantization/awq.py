@@ -21,14 +21,14 @@ from cpullm.model_executor.layers.quantization.int_groups import (
 
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column of its eight that value j of a word holds
 # where column o of eight sits in a word: the inverse of ORDER
-_POSITION = tuple(ORDER.index(o) for o in range(8))
+_POSITION_INDEX = torch.tensor([ORDER.index(o) for o in range(8)])
 
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
-    """[rows, cols / 8] int32 in AWQ's order -> [rows, cols] int32."""
+    """[rows, cols / 8] int32 in AWQ's order -> [rows, cols] uint8."""
     values = unpack_int32(packed, 4, dim=1)  # [rows, cols], in stored order
     rows, cols = values.shape
-    return values.view(rows, cols // 8, 8)[:, :, list(_POSITION)].reshape(rows, cols)
+    return values.view(rows, cols // 8, 8)[:, :, _POSITION_INDEX].reshape(rows, cols)
 
 
 class AWQScheme(CheckpointScheme):

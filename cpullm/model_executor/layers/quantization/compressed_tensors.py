@@ -87,7 +87,7 @@ class CompressedTensorsScheme(CheckpointScheme):
             if weight.dtype != torch.int8:
                 raise ValueError(f"an int-quantized weight of dtype {weight.dtype} (int8 "
                                  "expected)")
-            bits, q = 8, weight.to(torch.int32) + 128
+            bits, q = 8, weight.view(torch.uint8) ^ 0x80  # q + 128, as u8
             zero = None if zero is None else zero.to(torch.int32) + 128
         if zero is not None:  # [rows, groups], from one per tensor, per row or per group
             zero = (zero.reshape(1, 1) if zero.numel() == 1 else zero.reshape(rows, -1))

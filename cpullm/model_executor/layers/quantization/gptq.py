@@ -50,7 +50,7 @@ class GPTQScheme(CheckpointScheme):
         if k % scales.shape[1]:
             raise ValueError(f"{scales.shape[1]} scale groups do not divide a row of {k}")
         q = unpack_int32(qweight, bits, dim=0).T  # [n, k]
-        zeros = unpack_int32(tensors["qzeros"], bits, dim=1).T + self.zero_offset
+        zeros = unpack_int32(tensors["qzeros"], bits, dim=1).T.to(torch.int32) + self.zero_offset
         g_idx = tensors.get("g_idx") if self.act_order else None
         return IntGroups.with_group_index(q.contiguous(), scales.contiguous(),
                                           zeros[:rows].contiguous(), bits,

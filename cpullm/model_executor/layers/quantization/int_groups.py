@@ -47,14 +47,19 @@ _FLOAT16_TINY = 2.0 ** -14  # float16's smallest normal number
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Values of ``bits`` bits packed 32 / bits to an int32 along ``dim`` (value j of a word
-    in bits [j bits, (j + 1) bits)), as int32 [.., words * 32 / bits, ..]."""
-    per_word = 32 // bits
-    shifts = torch.arange(per_word, dtype=torch.int32) * bits
-    values = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    """Values of ``bits`` (4 or 8) bits packed 32 / bits to an int32 along ``dim`` (value j
+    of a word in bits [j bits, (j + 1) bits)), as uint8 [.., words * 32 / bits, ..]. The
+    words are read as their four little-endian bytes (value j of a 4-bit word: the low or
+    high half of byte j / 2), never widened."""
+    if bits not in (4, 8):
+        raise ValueError(f"{bits}-bit values are not supported (4 or 8 bits)")
     rows, cols = packed.shape
+    words = packed.contiguous().view(torch.uint8).view(rows, cols, 4)
+    values = words if bits == 8 else torch.stack((words & 0x0F, words >> 4), dim=-1)
+    per_word = 32 // bits
     if dim == 0:  # [rows, cols, per_word] -> [rows * per_word, cols]
-        return values.permute(0, 2, 1).reshape(rows * per_word, cols)
+        return values.reshape(rows, cols, per_word).permute(0, 2, 1).reshape(rows * per_word,
+                                                                             cols)
     return values.reshape(rows, cols * per_word)
 
 
