@@ -225,6 +225,34 @@ def test_amx_gemm_refuses_an_input_size_off_the_tile_depth():
 
 
 @needs_bf16
+@pytest.mark.parametrize("hidden", [64, 576, 2056])
+def test_tied_table_reads_its_rows_from_the_head_panels(hidden):
+    """A table tied to a packed LM head keeps one copy: the lookup reads the head's panels
+    (every row, a K that is not a multiple of 32 pairs, ids in any order, repeated) and gives
+    the table's rows bit for bit; the head's logits are unchanged; an id off the table is
+    refused."""
+    from cpullm.model_executor.layers.embedding import LMHead, VocabEmbedding
+
+    torch.manual_seed(hidden)
+    vocab = 320
+    table = torch.randn(vocab, hidden, dtype=torch.bfloat16)
+    embedding = VocabEmbedding(vocab, hidden, torch.bfloat16)
+    embedding.weight.data.copy_(table)
+    head = LMHead(vocab, hidden, torch.bfloat16)
+    head.tie(embedding)
+    head.process_weights_after_loading(ops)
+    assert embedding.weight.numel() == 0 and embedding.panels is head.gemm.panels
+    ids = torch.cat([torch.arange(vocab), torch.tensor([5, 5, 319, 0])])[torch.randperm(vocab + 4)]
+    assert torch.equal(embedding(ids), table[ids])
+    assert torch.equal(embedding(ids.view(2, -1)), table[ids].view(2, -1, hidden))
+    x = torch.randn(3, hidden, dtype=torch.bfloat16)
+    assert torch.allclose(head.compute_logits(x).float(), x.float() @ table.float().T,
+                          atol=0.05 * hidden ** 0.5, rtol=0.02)
+    with pytest.raises(RuntimeError, match="outside the table"):
+        embedding(torch.tensor([vocab]))
+
+
+@needs_bf16
 @pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("rows", [1, 13, 300])
 @pytest.mark.parametrize("intermediate", [1536, 1544])

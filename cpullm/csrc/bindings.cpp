@@ -23,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "optionally silu(gate) * up of interleaved gate and up panels");
   m.def("gemm_bf16_grouped", &cpullm::gemm_bf16_grouped,
         "gemm_bf16 for several packed weights, each on its own run of rows, in one call");
+  m.def("embedding_from_panels", &cpullm::embedding_from_panels,
+        "rows of a table packed as gemm_bf16's panels (an embedding tied to the LM head)");
   m.def("amx_bf16_ready", &cpullm::amx_bf16_ready,
         "whether this process may use AMX tiles (asks the OS once); only where the CPU has them");
   m.def("decode_attention_amx", &cpullm::decode_attention_amx,

@@ -104,6 +104,38 @@ void gemm_bf16_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> pan
     }
   });
 }
+
+// Rows ids of the table W that panels hold (gemm_bf16's layout) into out [T, K]: the lookup
+// of an embedding table tied to a packed LM head, read from the head's panels so that the
+// table is kept once. Row i's pairs (2kk, 2kk + 1) are dwords 128 bytes apart, gathered 16
+// at a time.
+void embedding_from_panels(at::Tensor out, at::Tensor ids, at::Tensor panels) {
+  TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
+              ids.scalar_type() == at::kLong && panels.is_contiguous() && panels.dim() == 4 &&
+              panels.size(2) == 32 && panels.size(3) == 2 && ids.dim() == 1 &&
+              ids.is_contiguous() && out.is_contiguous() && out.dim() == 2 &&
+              out.size(0) == ids.size(0) && out.size(1) == 2 * panels.size(1),
+              "embedding_from_panels: out [T, K] bfloat16, ids [T] int64, panels [N/32, K/2, 32, 2]");
+  const int64_t t = ids.size(0), k2 = panels.size(1), n = panels.size(0) * 32;
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK(idp[i] >= 0 && idp[i] < n, "embedding_from_panels: token id ", idp[i],
+                " outside the table's ", n, " rows");
+  const int32_t* wp = reinterpret_cast<const int32_t*>(panels.data_ptr<c10::BFloat16>());
+  int32_t* op = reinterpret_cast<int32_t*>(out.data_ptr<c10::BFloat16>());
+  const __m512i stride = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(32));
+  at::parallel_for(0, t, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int32_t* row = wp + idp[i] / 32 * k2 * 32 + idp[i] % 32;
+      int32_t* o = op + i * k2;
+      int64_t kk = 0;
+      for (; kk + 16 <= k2; kk += 16)
+        _mm512_storeu_si512(o + kk, _mm512_i32gather_epi32(stride, row + kk * 32, 4));
+      for (; kk < k2; ++kk) o[kk] = row[kk * 32];
+    }
+  });
+}
 #endif
 
 }  // namespace cpullm

@@ -35,6 +35,7 @@ void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at
                bool silu_mul);
 void gemm_bf16_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> panels,
                        std::vector<int64_t> offsets, bool silu_mul);
+void embedding_from_panels(at::Tensor out, at::Tensor ids, at::Tensor panels);
 
 // gemm_amx.cpp: the same GEMM on AMX tiles (compiled for them, run only where the CPU has
 // them: ask amx_bf16_ready() first)

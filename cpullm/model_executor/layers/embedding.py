@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpullm import distributed
-from cpullm.model_executor.layers.ops import KernelTable
+from cpullm.model_executor.layers.ops import Kernel, KernelTable
 from cpullm.model_executor.layers.quantization import QuantizationConfig
 from cpullm.model_executor.layers.quantization.dense import PackedGemm
 from cpullm.model_executor.layers.quantization.gguf import RawBlocks
@@ -35,6 +35,9 @@ class VocabEmbedding(nn.Module):
             torch.empty(self.vocab_end - self.vocab_start, hidden_size, dtype=dtype),
             requires_grad=False)
         self.quantized: QuantizedWeight | None = None
+        # tied to a packed LM head: its panels, read by the kernel (the plain table freed)
+        self.panels: torch.Tensor | None = None
+        self.from_panels: Kernel | None = None
         if quant_config is not None or ranks > 1:
             self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
@@ -57,6 +60,15 @@ class VocabEmbedding(nn.Module):
             self.weight.data = self.quantized.dequantize(self.weight.dtype)
             self.quantized = None
 
+    def read_from(self, gemm: PackedGemm, ops: KernelTable) -> None:
+        """Look the rows up in a tied LM head's packed panels and free the plain table,
+        where the kernels can (the panels are bfloat16 ones of the whole table)."""
+        if ops.embedding_from_panels is None or gemm.panels is None or gemm.silu_mul \
+                or gemm.panels.dtype != torch.bfloat16:
+            return
+        self.panels, self.from_panels = gemm.panels, ops.embedding_from_panels
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         split = self.rows < self.vocab_size
         if split:  # this rank's tokens only; the others' rows come out zero
@@ -65,6 +77,11 @@ class VocabEmbedding(nn.Module):
             input_ids = input_ids.masked_fill(outside, 0)
         if self.quantized is not None:
             out = self.quantized.dequantize(self.weight.dtype, input_ids)
+        elif self.from_panels is not None:
+            ids = input_ids.reshape(-1).contiguous()
+            out = torch.empty(len(ids), self.hidden_size, dtype=self.weight.dtype)
+            self.from_panels(out, ids, self.panels)
+            out = out.view(*input_ids.shape, self.hidden_size)
         else:
             out = F.embedding(input_ids, self.weight)
         if split:
@@ -153,6 +170,8 @@ class LMHead(VocabEmbedding):
             self.quantized = table.quantized
         else:
             self.gemm = PackedGemm.create(self.weight.data, None, ops)
+            if self.tied is not None and self.gemm is not None and ops is not None:
+                self.tied.read_from(self.gemm, ops)
 
     def _quantize_int8(self, table: VocabEmbedding) -> None:
         """The float weight as int8 with one scale per vocabulary row (s = max |w| / 127,

@@ -54,6 +54,7 @@ class KernelTable:
     silu_and_mul_bf16: Kernel | None
     gemm_bf16: Kernel | None
     gemm_bf16_grouped: Kernel | None
+    embedding_from_panels: Kernel | None
     amx_bf16_ready: Kernel | None  # compiled with AVX-512 BF16; see amx_tiles_usable()
     gemm_bf16_amx: Kernel | None
     decode_attention_amx: Kernel | None
