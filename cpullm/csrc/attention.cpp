@@ -336,9 +336,15 @@ __attribute__((target("amx-tile,amx-bf16"))) void paged_scores_amx(
     const int64_t base = bt[t / block_size] * block_stride + off * token_stride;
     const c10::BFloat16* k = kp + base;
     const c10::BFloat16* v = vp + base;
+    // the keys kPrefetchTokens ahead on their way, as in paged_scores_bf16: a tile load
+    // from memory waits for its 16 lines
+    for (int64_t j = 0; j < std::min(run, kPrefetchTokens); ++j)
+      prefetch_row(k + j * token_stride, CH * 64);
     for (int64_t i = 0; i < run; i += 16) {
       const int64_t m = std::min<int64_t>(16, run - i);
       next_item.step(m);
+      for (int64_t j = i + kPrefetchTokens; j < std::min(run, i + m + kPrefetchTokens); ++j)
+        prefetch_row(k + j * token_stride, CH * 64);
       for (int64_t j = i; j < i + m; ++j) prefetch_row(v + j * token_stride, CH * 64);
       const c10::BFloat16* a = k + i * token_stride;
       int64_t stride = token_stride * 2;
