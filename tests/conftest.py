@@ -218,3 +218,23 @@ def hf_greedy(reference: Any, prompts: list[list[int]], max_new_tokens: int
                              max_new_tokens=max_new_tokens)
         results.append(out[0, len(prompt):].tolist())
     return results
+
+
+# Token-id prompts of the small end-to-end checks of quantized weights.
+GREEDY_PROMPTS = [[1, 2, 3, 4, 5], [100, 2000, 30000, 7]]
+
+
+def greedy_outputs(model: Any, dtype: str, max_tokens: int = 16, **engine: Any
+                   ) -> tuple[torch.nn.Module, list[Any]]:
+    """A small engine on ``model`` (a folder or a GGUF file; ``engine``: more LLM
+    arguments): the model as loaded, and its greedy completions (with top-5 logprobs) of
+    GREEDY_PROMPTS."""
+    from cpullm import LLM, SamplingParams
+
+    llm = LLM(model=str(model), dtype=dtype, max_model_len=256, kv_cache_memory_bytes=1 << 24,
+              **engine)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in GREEDY_PROMPTS], params,
+                           use_tqdm=False)
+    return llm.llm_engine.model_runner.model, [o.outputs[0] for o in outputs]
+

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import (
+    GREEDY_PROMPTS,
     assert_greedy_follows,
     avx2_kernels,
+    greedy_outputs,
     quantized_kernel_runs,
     quantized_kernels,
 )
@@ -240,8 +242,8 @@ def test_mixed_types_load_and_match_transformers(mixed_gguf):
 
     from cpullm.model_executor.layers.linear import LinearBase
 
-    prompts = MIXED_PROMPTS
-    model, exact = _generate(mixed_gguf, "float32")
+    prompts = GREEDY_PROMPTS
+    model, exact = greedy_outputs(mixed_gguf, "float32")
     assert all(s.quantized is None for m in model.modules() if isinstance(m, LinearBase)
                for s in m.segments)
     reference = AutoModelForCausalLM.from_pretrained(
@@ -256,23 +258,9 @@ def test_mixed_types_load_and_match_transformers(mixed_gguf):
     ops, kernels = quantized_kernels()
     if not QuantizedWeight.kernels_run(ops, torch.bfloat16):
         return  # bfloat16 runs dequantized too on this CPU
-    model, quantized = _generate(mixed_gguf, "bfloat16")
+    model, quantized = greedy_outputs(mixed_gguf, "bfloat16")
     _assert_kept_mixed(model)
     assert_greedy_follows(exact, quantized)
-
-
-MIXED_PROMPTS = [[1, 2, 3, 4, 5], [100, 2000, 30000, 7]]
-
-
-def _generate(path: Path, dtype: str) -> tuple[torch.nn.Module, list]:
-    """The model as loaded, and its greedy completions (top-5 logprobs) of MIXED_PROMPTS."""
-    from cpullm import LLM, SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
-    llm = LLM(model=str(path), dtype=dtype, max_model_len=256, kv_cache_memory_bytes=1 << 24)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in MIXED_PROMPTS], params,
-                           use_tqdm=False)
-    return llm.llm_engine.model_runner.model, [o.outputs[0] for o in outputs]
 
 
 def _assert_kept_mixed(model: torch.nn.Module) -> None:
@@ -298,13 +286,13 @@ def test_mixed_types_on_the_avx2_kernels(mixed_gguf, monkeypatch):
     if avx2_kernels() is None:
         pytest.skip("the AVX2 library needs an x86 CPU with AVX2, FMA and F16C, built by "
                     "the install (make setup) from the sources as they are")
-    _, exact = _generate(mixed_gguf, "float32")
+    _, exact = greedy_outputs(mixed_gguf, "float32")
     monkeypatch.setenv("CPULLM_KERNEL_ISA", "avx2")
     ops_py.load_ops.cache_clear()
     try:
         ops = ops_py.load_ops()
         assert ops is not None and ops.isa == "avx2" and ops.quant_gemm_bf16 is None
-        model, quantized = _generate(mixed_gguf, "bfloat16")
+        model, quantized = greedy_outputs(mixed_gguf, "bfloat16")
     finally:
         monkeypatch.delenv("CPULLM_KERNEL_ISA")
         ops_py.load_ops.cache_clear()

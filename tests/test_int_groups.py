@@ -18,7 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import assert_greedy_follows, hf_greedy, quantized_kernel_runs, quantized_kernels
+from conftest import (
+    GREEDY_PROMPTS,
+    assert_greedy_follows,
+    greedy_outputs,
+    hf_greedy,
+    quantized_kernel_runs,
+    quantized_kernels,
+)
 from safetensors.torch import save_file
 
 from cpullm.model_executor.layers.activation import SiluAndMul
@@ -250,18 +257,6 @@ def write_checkpoint(root: Path, tokenizer_dir: Path, method: str, bits: int, gr
     return quantized, reference
 
 
-PROMPTS = [[1, 2, 3, 4, 5], [100, 2000, 30000, 7]]
-
-
-def _generate(model: str, dtype: str, max_tokens: int = 16):
-    from cpullm import LLM, SamplingParams
-
-    llm = LLM(model=model, dtype=dtype, max_model_len=256, kv_cache_memory_bytes=1 << 24)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return llm.llm_engine.model_runner.model, [o.outputs[0] for o in outputs]
-
-
 def _check_end_to_end(quantized: Path, expected: list[list[int]], origin: str,
                       kept_as: type[QuantizedWeight] = QuantizedWeight) -> None:
     """float32: exactly the reference's tokens; bfloat16, kept quantized (as ``kept_as``)
@@ -271,14 +266,14 @@ def _check_end_to_end(quantized: Path, expected: list[list[int]], origin: str,
     checkpoint's."""
     from cpullm.model_executor.layers.linear import LinearBase
 
-    model, exact = _generate(str(quantized), "float32")
+    model, exact = greedy_outputs(str(quantized), "float32")
     assert [o.token_ids for o in exact] == expected
     assert all(s.quantized is None for m in model.modules() if isinstance(m, LinearBase)
                for s in m.segments)
     ops, _ = quantized_kernels()
     if not kept_as.kernels_run(ops, torch.bfloat16):
         return  # bfloat16 runs dequantized too on this CPU
-    model, kept = _generate(str(quantized), "bfloat16")
+    model, kept = greedy_outputs(str(quantized), "bfloat16")
     weights = [m for m in model.modules() if isinstance(m, QuantizedWeight)]
     assert weights and all(type(w) is kept_as and w.origin == origin for w in weights)
     assert_greedy_follows(exact, kept)
@@ -306,7 +301,7 @@ def test_gptq_checkpoint_matches_transformers(case, tmp_path, tokenizer_dir):
     bits, group, symmetric, act_order, v2 = case
     quantized, reference = write_checkpoint(tmp_path, tokenizer_dir, "gptq", bits, group,
                                             symmetric, act_order, v2)
-    _check_end_to_end(quantized, hf_greedy(reference, PROMPTS, 16), "GPTQ")
+    _check_end_to_end(quantized, hf_greedy(reference, GREEDY_PROMPTS, 16), "GPTQ")
 
 
 def test_gptq_dynamic_overrides_match_transformers(tmp_path, tokenizer_dir):
@@ -317,10 +312,10 @@ def test_gptq_dynamic_overrides_match_transformers(tmp_path, tokenizer_dir):
                r"-:model\.layers\.0\.mlp\.down_proj": {}}
     quantized, reference = write_checkpoint(tmp_path, tokenizer_dir, "gptq", 4, 128, False,
                                             False, dynamic=dynamic)
-    _check_end_to_end(quantized, hf_greedy(reference, PROMPTS, 16), "GPTQ")
+    _check_end_to_end(quantized, hf_greedy(reference, GREEDY_PROMPTS, 16), "GPTQ")
     from cpullm.model_executor.layers.linear import LinearBase
 
-    model, _ = _generate(str(quantized), "bfloat16", max_tokens=1)
+    model, _ = greedy_outputs(str(quantized), "bfloat16", max_tokens=1)
     ops, kernels = quantized_kernels()
     if not QuantizedWeight.kernels_run(ops, torch.bfloat16):
         return
@@ -338,9 +333,9 @@ def test_gptq_quantized_lm_head_matches_transformers(tmp_path, tokenizer_dir):
     head, kept quantized where the kernels run."""
     quantized, reference = write_checkpoint(tmp_path, tokenizer_dir, "gptq", 4, 128, True,
                                             False, lm_head=True)
-    _check_end_to_end(quantized, hf_greedy(reference, PROMPTS, 16), "GPTQ")
+    _check_end_to_end(quantized, hf_greedy(reference, GREEDY_PROMPTS, 16), "GPTQ")
     ops, _ = quantized_kernels()
-    model, _ = _generate(str(quantized), "bfloat16", max_tokens=1)
+    model, _ = greedy_outputs(str(quantized), "bfloat16", max_tokens=1)
     head = model.lm_head
     assert (head.quantized is not None) == QuantizedWeight.kernels_run(ops, torch.bfloat16)
     assert not hasattr(head, "qweight")
@@ -355,7 +350,7 @@ def test_glm_checkpoint_matches_transformers(method, tmp_path, tokenizer_dir):
                         attention_bias=True)
     quantized, reference = write_checkpoint(tmp_path, tokenizer_dir, method, 4, 128,
                                             method == "gptq", False, model=model)
-    _check_end_to_end(quantized, hf_greedy(reference, PROMPTS, 16), method.upper())
+    _check_end_to_end(quantized, hf_greedy(reference, GREEDY_PROMPTS, 16), method.upper())
 
 
 @pytest.mark.parametrize("group", [32, 128])
@@ -364,11 +359,11 @@ def test_awq_checkpoint_matches_transformers(group, tmp_path, tokenizer_dir):
     not_converted = ("mlp.down_proj",) if group == 32 else ()
     quantized, reference = write_checkpoint(tmp_path, tokenizer_dir, "awq", 4, group, False,
                                             False, not_converted=not_converted)
-    _check_end_to_end(quantized, hf_greedy(reference, PROMPTS, 16), "AWQ")
+    _check_end_to_end(quantized, hf_greedy(reference, GREEDY_PROMPTS, 16), "AWQ")
     if not_converted:
         from cpullm.model_executor.layers.linear import LinearBase
 
-        model, _ = _generate(str(quantized), "float32", max_tokens=1)
+        model, _ = greedy_outputs(str(quantized), "float32", max_tokens=1)
         down = model.model.layers[0].mlp.down_proj
         assert isinstance(down, LinearBase) and down.segments[0].quantized is None
 
@@ -445,7 +440,7 @@ def test_compressed_tensors_checkpoint_matches_transformers(name, tmp_path, toke
         kept_as = Float8Weight
     elif name.startswith("w8a8") and _amx_int8_runs():
         kept_as = AmxInt8Weight  # per-channel INT8 laid out for AMX-INT8 where it runs
-    _check_end_to_end(path, hf_greedy(reference, PROMPTS, 16), "compressed-tensors", kept_as)
+    _check_end_to_end(path, hf_greedy(reference, GREEDY_PROMPTS, 16), "compressed-tensors", kept_as)
 
 
 def _amx_int8_runs() -> bool:
@@ -687,7 +682,7 @@ def write_fp8_checkpoint(root: Path, tokenizer_dir: Path) -> tuple[Path, Path]:
 
 def test_fp8_block_checkpoint_matches_transformers(tmp_path, tokenizer_dir):
     quantized, reference = write_fp8_checkpoint(tmp_path, tokenizer_dir)
-    _check_end_to_end(quantized, hf_greedy(reference, PROMPTS, 16), "FP8", Float8Weight)
+    _check_end_to_end(quantized, hf_greedy(reference, GREEDY_PROMPTS, 16), "FP8", Float8Weight)
 
 
 def test_fp8_moe_checkpoint_matches_transformers(tiny_model, tmp_path):
@@ -716,14 +711,14 @@ def test_fp8_moe_checkpoint_matches_transformers(tiny_model, tmp_path):
                                           "activation_scheme": "dynamic"})
     from transformers import AutoModelForCausalLM
 
-    expected = hf_greedy(AutoModelForCausalLM.from_pretrained(str(reference),
-                                                              dtype=torch.float32), PROMPTS, 16)
-    model, exact = _generate(str(quantized), "float32")
+    reference_model = AutoModelForCausalLM.from_pretrained(str(reference), dtype=torch.float32)
+    expected = hf_greedy(reference_model, GREEDY_PROMPTS, 16)
+    model, exact = greedy_outputs(str(quantized), "float32")
     assert [o.token_ids for o in exact] == expected
     ops, _ = quantized_kernels()
     if not Float8Weight.kernels_run(ops, torch.bfloat16):
         return
-    model, kept = _generate(str(quantized), "bfloat16")
+    model, kept = greedy_outputs(str(quantized), "bfloat16")
     assert_greedy_follows(exact, kept)
     moe = model.model.layers[0].mlp
     assert moe.kept_grouped is None

@@ -14,12 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_greedy_follows, hf_greedy, quantized_kernels
+from conftest import (
+    GREEDY_PROMPTS,
+    assert_greedy_follows,
+    greedy_outputs,
+    hf_greedy,
+    quantized_kernels,
+)
 
 from cpullm.engine_args import EngineArgs
 from cpullm.model_executor.layers.quantization.kept import QuantizedWeight
-
-PROMPTS = [[1, 2, 3, 4, 5], [100, 2000, 30000, 7]]
 
 
 def int8_rows(w: torch.Tensor) -> torch.Tensor:
@@ -45,27 +49,17 @@ def _reference(folder: Path, out: Path, tied: bool) -> torch.Tensor:
     return head.detach().clone()
 
 
-def _generate(model: str, dtype: str, **kwargs: object):
-    from cpullm import LLM, SamplingParams
-
-    llm = LLM(model=model, dtype=dtype, max_model_len=256, kv_cache_memory_bytes=1 << 24,
-              **kwargs)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return llm.llm_engine.model_runner.model, [o.outputs[0] for o in outputs]
-
-
 @pytest.mark.parametrize("arch", ["llama3-rope-tied", "llama"])
 def test_int8_lm_head_follows_its_dequantized_reference(arch, tiny_model, tmp_path):
     folder = tiny_model(arch)
     tied = arch.endswith("tied")
     head = _reference(folder, tmp_path / "reference", tied)
-    model, exact = _generate(str(tmp_path / "reference"), "float32")
-    assert [o.token_ids for o in exact] == hf_greedy(tmp_path / "reference", PROMPTS, 16)
+    model, exact = greedy_outputs(str(tmp_path / "reference"), "float32")
+    assert [o.token_ids for o in exact] == hf_greedy(tmp_path / "reference", GREEDY_PROMPTS, 16)
     ops, _ = quantized_kernels()
     if not QuantizedWeight.kernels_run(ops, torch.bfloat16):
         pytest.skip("--lm-head-quantization needs the quantized kernels (AVX2 and a build)")
-    model, kept = _generate(str(folder), "bfloat16", lm_head_quantization="int8")
+    model, kept = greedy_outputs(str(folder), "bfloat16", lm_head_quantization="int8")
     assert_greedy_follows(exact, kept)
     weight = model.lm_head.quantized
     assert weight is not None and (weight.qtype, weight.origin) == ("int8 channel", "at load")

@@ -97,8 +97,6 @@ class LMHead(VocabEmbedding):
     instead of a float weight, kept quantized as the linear layers are. ``int8``
     (--lm-head-quantization int8): a float head is quantized at load instead."""
 
-    _INT8_SLICE = 4096  # vocabulary rows quantized at a time (a float32 slice of the table)
-
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None,
                  quant_config: QuantizationConfig | None = None) -> None:
         super().__init__(vocab_size, hidden_size, dtype, quant_config)
@@ -174,24 +172,14 @@ class LMHead(VocabEmbedding):
                 self.tied.read_from(self.gemm, ops)
 
     def _quantize_int8(self, table: VocabEmbedding) -> None:
-        """The float weight as int8 with one scale per vocabulary row (s = max |w| / 127,
-        q = round(w / s)) into ``table.quantized``, read by the quantized kernels; the float
-        weight is freed (a tied embedding table dequantizes the rows it looks up)."""
+        """The float weight as int8 rows (``IntGroups.int8_rows``) into ``table.quantized``,
+        read by the quantized kernels; the float weight is freed (a tied embedding table
+        dequantizes the rows it looks up)."""
         w = table.weight.data
-        n, k = w.shape
-        q = torch.empty(n, k, dtype=torch.uint8)
-        scales = torch.empty(n, 1)
-        for start in range(0, n, self._INT8_SLICE):
-            rows = w[start:start + self._INT8_SLICE].float()
-            s = rows.abs().amax(dim=1, keepdim=True) / 127
-            scales[start:start + len(rows)] = s
-            # a row of zeros: any divisor gives q = 0 (stored as 128)
-            q[start:start + len(rows)] = (torch.round(rows / s.clamp(min=1e-30)) + 128
-                                          ).to(torch.uint8)
-        weight = IntGroups(q, scales, None, 8, k).to_weight("int8 channel", "at load")
+        weight = IntGroups.int8_rows(w).to_weight("int8 channel", "at load")
         if weight is None:
-            raise ValueError(f"--lm-head-quantization int8: the hidden size {k} is not a "
-                             "multiple of 16")
+            raise ValueError(f"--lm-head-quantization int8: the hidden size {w.shape[1]} is "
+                             "not a multiple of 16")
         table.quantized = weight
         table.weight.data = torch.empty(0, dtype=w.dtype)
 

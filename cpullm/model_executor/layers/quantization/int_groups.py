@@ -95,6 +95,23 @@ class IntGroups:
         perm = torch.argsort(g_idx, stable=True)
         return cls(q[:, perm].contiguous(), scales, zeros, bits, group_size, perm)
 
+    @classmethod
+    def int8_rows(cls, w: torch.Tensor, slice_rows: int = 4096) -> IntGroups:
+        """A float weight [n, k] as 8-bit values with one scale per row: s = max |w| / 127,
+        q = round(w / s), stored as q + 128; quantized ``slice_rows`` rows at a time (each
+        slice in float32)."""
+        n, k = w.shape
+        q = torch.empty(n, k, dtype=torch.uint8)
+        scales = torch.empty(n, 1)
+        for start in range(0, n, slice_rows):
+            rows = w[start:start + slice_rows].float()
+            s = rows.abs().amax(dim=1, keepdim=True) / 127
+            scales[start:start + len(rows)] = s
+            # a row of zeros: any divisor gives q = 0
+            q[start:start + len(rows)] = (torch.round(rows / s.clamp(min=1e-30)) + 128
+                                          ).to(torch.uint8)
+        return cls(q, scales, None, 8, k)
+
     def __post_init__(self) -> None:
         n, k = self.q.shape
         if self.bits not in (4, 8):
