@@ -9,7 +9,13 @@ import os
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, assert_greedy_follows, hf_greedy, quantized_kernels
+from conftest import (
+    ARCHITECTURES,
+    GREEDY_PROMPTS,
+    assert_greedy_follows,
+    hf_greedy,
+    quantized_kernels,
+)
 from test_gguf_quant import mixed_gguf  # noqa: F401, F811 - the fixture
 
 from cpullm import LLM, SamplingParams
@@ -143,20 +149,20 @@ def test_gptq_layers_split_over_ranks(tmp_path, tokenizer_dir):
     """A GPTQ checkpoint's integer groups split by rows (q/k/v, gate/up) and by whole groups
     of columns (o, down): in float32, dequantized, exactly the reference's tokens; in
     bfloat16, kept quantized, following one rank's tokens."""
-    from test_int_groups import PROMPTS, write_checkpoint
+    from test_int_groups import write_checkpoint
 
     quantized, reference = write_checkpoint(tmp_path, tokenizer_dir, "gptq", 4, 64, False,
                                             False)
-    expected = hf_greedy(reference, PROMPTS, NUM_NEW_TOKENS)
-    got = generate(str(quantized), PROMPTS, tensor_parallel_size=2, max_model_len=256)
+    expected = hf_greedy(reference, GREEDY_PROMPTS, NUM_NEW_TOKENS)
+    got = generate(str(quantized), GREEDY_PROMPTS, tensor_parallel_size=2, max_model_len=256)
     assert [o.token_ids for o in got] == expected
     ops, _ = quantized_kernels()
     if not QuantizedWeight.kernels_run(ops, torch.bfloat16):
         return
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True,
                             logprobs=5)
-    one = generate(str(quantized), PROMPTS, params, dtype="bfloat16", max_model_len=256)
-    two = generate(str(quantized), PROMPTS, params, dtype="bfloat16", max_model_len=256,
+    one = generate(str(quantized), GREEDY_PROMPTS, params, dtype="bfloat16", max_model_len=256)
+    two = generate(str(quantized), GREEDY_PROMPTS, params, dtype="bfloat16", max_model_len=256,
                    tensor_parallel_size=2)
     assert_greedy_follows(one, two)
 
