@@ -251,15 +251,19 @@ void paged_scores_bf16(float* scores, const __m512bh* q, int64_t group, float sc
   }
 }
 
-// The query group of one KV head as the B operands of TDPBF16PS: for each 32 dimensions c,
-// 16 rows (dimension pairs) of 16 columns (query heads, zero past the group) of 32-bit
-// pairs: words[c][r][g] = (q_g[32c + 2r], q_g[32c + 2r + 1]).
-inline void query_tiles(int32_t* words, const c10::BFloat16* q, int64_t group, int64_t head_dim) {
+// The query groups of kv consecutive KV heads as the B operands of TDPBF16PS, one set of
+// chunks per KV head: for KV head h's 32 dimensions c, 16 rows (dimension pairs) of 16
+// columns (query heads, zero but for h's group) of 32-bit pairs:
+// words[h chunks + c][r][h group + g] = (q_hg[32c + 2r], q_hg[32c + 2r + 1]). Chunk after
+// chunk, they meet a token's keys of those KV heads as they lie side by side in its row.
+inline void query_tiles(int32_t* words, const c10::BFloat16* q, int64_t group, int64_t kv,
+                        int64_t head_dim) {
   const int64_t chunks = head_dim / 32;
-  std::fill(words, words + chunks * 256, 0);
-  for (int64_t g = 0; g < group; ++g) {
-    const auto* qg = reinterpret_cast<const int32_t*>(q + g * head_dim);
-    for (int64_t w = 0; w < chunks * 16; ++w) words[(w / 16) * 256 + (w % 16) * 16 + g] = qg[w];
+  std::fill(words, words + kv * chunks * 256, 0);
+  for (int64_t col = 0; col < kv * group; ++col) {
+    const auto* qg = reinterpret_cast<const int32_t*>(q + col * head_dim);
+    int32_t* head = words + (col / group) * chunks * 256;
+    for (int64_t w = 0; w < chunks * 16; ++w) head[(w / 16) * 256 + (w % 16) * 16 + col] = qg[w];
   }
 }
 
@@ -322,7 +326,7 @@ template <int CH>
 __attribute__((target("amx-tile,amx-bf16"))) void paged_scores_amx(
     float* scores, const int32_t* words, int64_t group, float scale, const c10::BFloat16* kp,
     const c10::BFloat16* vp, const int64_t* bt, int64_t first, int64_t len, int64_t block_size,
-    int64_t block_stride, int64_t token_stride, NextItemPrefetch& next_item) {
+    int64_t block_stride, int64_t token_stride, int64_t ahead, NextItemPrefetch& next_item) {
   using Chunks = std::make_integer_sequence<int, CH>;
   if constexpr (CH <= 6) load_query_tiles(words, Chunks{});
   alignas(64) float product[16 * 16];
@@ -336,14 +340,13 @@ __attribute__((target("amx-tile,amx-bf16"))) void paged_scores_amx(
     const int64_t base = bt[t / block_size] * block_stride + off * token_stride;
     const c10::BFloat16* k = kp + base;
     const c10::BFloat16* v = vp + base;
-    // the keys kPrefetchTokens ahead on their way, as in paged_scores_bf16: a tile load
-    // from memory waits for its 16 lines
-    for (int64_t j = 0; j < std::min(run, kPrefetchTokens); ++j)
-      prefetch_row(k + j * token_stride, CH * 64);
+    // the keys `ahead` tokens ahead on their way, as in paged_scores_bf16: a tile load from
+    // memory waits for its 16 lines
+    for (int64_t j = 0; j < std::min(run, ahead); ++j) prefetch_row(k + j * token_stride, CH * 64);
     for (int64_t i = 0; i < run; i += 16) {
       const int64_t m = std::min<int64_t>(16, run - i);
       next_item.step(m);
-      for (int64_t j = i + kPrefetchTokens; j < std::min(run, i + m + kPrefetchTokens); ++j)
+      for (int64_t j = i + ahead; j < std::min(run, i + m + ahead); ++j)
         prefetch_row(k + j * token_stride, CH * 64);
       for (int64_t j = i; j < i + m; ++j) prefetch_row(v + j * token_stride, CH * 64);
       const c10::BFloat16* a = k + i * token_stride;
@@ -397,12 +400,49 @@ void paged_values_bf16(float* acc, int64_t head_dim, const float* probs,
   }
 }
 
+// paged_values_bf16 for the G query heads of each of KV consecutive KV heads at once, 32
+// dimensions of every KV head a pass: a token's rows are read in address order, as the
+// scores read them (acc, probs: KV G heads, the KV heads' groups one after the other).
+template <int KV, int G>
+void paged_values_heads(float* acc, int64_t head_dim, const float* probs,
+                        const c10::BFloat16* vp, const int64_t* bt, int64_t first, int64_t len,
+                        int64_t block_size, int64_t block_stride, int64_t token_stride) {
+  const int64_t n = len - first;
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+    __m512 a[KV * G][2];
+    for (int h = 0; h < KV * G; ++h) a[h][0] = a[h][1] = _mm512_setzero_ps();
+    for (int64_t t = first; t < len;) {
+      const int64_t off = t % block_size, run = std::min(len - t, block_size - off);
+      const c10::BFloat16* v = vp + bt[t / block_size] * block_stride + off * token_stride + d0;
+      const float* p = probs + (t - first);
+      for (int64_t j = 0; j < run; ++j) {
+        const c10::BFloat16* row = v + j * token_stride;
+        for (int kv = 0; kv < KV; ++kv) {
+          const __m512 x0 = bf16x16_load(row + kv * head_dim);
+          const __m512 x1 = bf16x16_load(row + kv * head_dim + 16);
+          for (int g = 0; g < G; ++g) {
+            const int h = kv * G + g;
+            const __m512 ph = _mm512_set1_ps(p[h * n + j]);
+            a[h][0] = _mm512_fmadd_ps(ph, x0, a[h][0]);
+            a[h][1] = _mm512_fmadd_ps(ph, x1, a[h][1]);
+          }
+        }
+      }
+      t += run;
+    }
+    for (int h = 0; h < KV * G; ++h) {
+      _mm512_storeu_ps(acc + h * head_dim + d0, a[h][0]);
+      _mm512_storeu_ps(acc + h * head_dim + d0 + 16, a[h][1]);
+    }
+  }
+}
+
 using PagedScoresFn = void (*)(float*, const __m512bh*, int64_t, float, const c10::BFloat16*,
                                const c10::BFloat16*, const int64_t*, int64_t, int64_t, int64_t,
                                int64_t, int64_t, NextItemPrefetch&);
 using AmxScoresFn = void (*)(float*, const int32_t*, int64_t, float, const c10::BFloat16*,
                              const c10::BFloat16*, const int64_t*, int64_t, int64_t, int64_t,
-                             int64_t, int64_t, NextItemPrefetch&);
+                             int64_t, int64_t, int64_t, NextItemPrefetch&);
 using PagedValuesFn = void (*)(float*, int64_t, const float*, const c10::BFloat16*,
                                const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t);
 
@@ -434,9 +474,14 @@ bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tenso
       paged_scores_amx<4>, paged_scores_amx<5>, paged_scores_amx<6>, paged_scores_amx<7>,
       paged_scores_amx<8>};
   const PagedScoresFn scores_fn = kScores[chunks];
-  const AmxScoresFn amx_scores_fn = kScoresAmx[chunks];
   const PagedValuesFn values_fn =
       (head_dim % 64 == 0 && group <= 6) ? kValues4[group] : kValues2[group];
+  // [KV - 2][G - 1]: 2 or 3 KV heads of up to 4 query heads (at most 24 accumulators)
+  static constexpr PagedValuesFn kValuesHeads[2][4] = {
+      {paged_values_heads<2, 1>, paged_values_heads<2, 2>, paged_values_heads<2, 3>,
+       paged_values_heads<2, 4>},
+      {paged_values_heads<3, 1>, paged_values_heads<3, 2>, paged_values_heads<3, 3>,
+       paged_values_heads<3, 4>}};
 
   const int64_t max_blocks = block_tables.size(1), q_stride = q.stride(0);
   const auto* qp = q.data_ptr<c10::BFloat16>();
@@ -448,50 +493,70 @@ bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
   const float fscale = static_cast<float>(scale);
 
-  auto cost = [&](int64_t item) { return decode_cost(lens, item, num_kv_heads, window); };
-  parallel_by_cost(num_seqs * num_kv_heads, cost, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(group * head_dim);
+  // An item is kv KV heads of one sequence. On AMX, where a sequence's query heads fit one
+  // tile's 16 columns and its keys' chunks the 6 query tiles kept (SmolLM2: 9 heads, 3 KV
+  // heads of 64), it is all of them: the scores read each token's row of keys once, whole,
+  // prefetched a few rows ahead, and the values (up to 12 heads) each row's values once for
+  // every 32 dimensions. One KV head at a time reads a row's slice in as many passes. The
+  // next item is not prefetched then: its lines would compete with the current rows'.
+  const bool whole = amx && num_heads <= 16 && num_kv_heads > 1 && num_kv_heads * chunks <= 6;
+  const int64_t kv = whole ? num_kv_heads : 1;
+  const int64_t items_per_seq = num_kv_heads / kv, heads = kv * group;
+  const int64_t ahead = whole ? kWholeRowPrefetchTokens : kPrefetchTokens;
+  const AmxScoresFn amx_scores_fn = kScoresAmx[kv * chunks];
+  const PagedValuesFn heads_values =
+      whole && kv <= 3 && group <= 4 ? kValuesHeads[kv - 2][group - 1] : nullptr;
+  auto cost = [&](int64_t item) { return decode_cost(lens, item, items_per_seq, window); };
+  parallel_by_cost(num_seqs * items_per_seq, cost, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(heads * head_dim);
     __m512bh query[64];
     alignas(64) int32_t words[8 * 256];
     if (amx) load_tile_config();
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
+      const int64_t s = item / items_per_seq, kvh = item % items_per_seq * kv;
       const int64_t len = lens[s];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
       const c10::BFloat16* qs = qp + s * q_stride + kvh * group * head_dim;
       if (amx) {
-        query_tiles(words, qs, group, head_dim);
+        query_tiles(words, qs, group, kv, head_dim);
       } else {
         for (int64_t i = 0; i < group * chunks; ++i)
           query[i] = (__m512bh)_mm512_loadu_si512(qs + i * 32);
       }
-      scores.resize(group * n);
+      scores.resize(heads * n);
       NextItemPrefetch next_item;
-      if (item + 1 < end) {
-        const int64_t s2 = (item + 1) / num_kv_heads, kvh2 = (item + 1) % num_kv_heads;
+      if (item + 1 < end && !whole) {
+        const int64_t s2 = (item + 1) / items_per_seq, kvh2 = (item + 1) % items_per_seq * kv;
         const int64_t len2 = lens[s2];
         next_item = {kp + kvh2 * head_dim, vp + kvh2 * head_dim, bt + s2 * max_blocks,
                      window > 0 ? std::max<int64_t>(0, len2 - window) : 0, len2, block_size,
                      block_stride, token_stride, head_dim * 2};
       }
       if (amx) {
-        amx_scores_fn(scores.data(), words, group, fscale, kp + kvh * head_dim,
+        amx_scores_fn(scores.data(), words, heads, fscale, kp + kvh * head_dim,
                       vp + kvh * head_dim, bt + s * max_blocks, first, len, block_size,
-                      block_stride, token_stride, next_item);
+                      block_stride, token_stride, ahead, next_item);
       } else {
         scores_fn(scores.data(), query, group, fscale, kp + kvh * head_dim, vp + kvh * head_dim,
                   bt + s * max_blocks, first, len, block_size, block_stride, token_stride,
                   next_item);
       }
       next_item.step(next_item.len);  // what the scores did not reach (a longer next item)
-      if (softcap > 0) soft_cap(scores.data(), group * n, static_cast<float>(softcap));
-      for (int64_t g = 0; g < group; ++g)
-        softmax(scores.data() + g * n, n, sinks ? sinks[kvh * group + g] : kNoSink);
-      values_fn(acc.data(), head_dim, scores.data(), vp + kvh * head_dim, bt + s * max_blocks,
-                first, len, block_size, block_stride, token_stride);
+      if (softcap > 0) soft_cap(scores.data(), heads * n, static_cast<float>(softcap));
+      for (int64_t h = 0; h < heads; ++h)
+        softmax(scores.data() + h * n, n, sinks ? sinks[kvh * group + h] : kNoSink);
+      if (heads_values != nullptr) {
+        heads_values(acc.data(), head_dim, scores.data(), vp + kvh * head_dim,
+                     bt + s * max_blocks, first, len, block_size, block_stride, token_stride);
+      } else {
+        for (int64_t h = 0; h < kv; ++h)
+          values_fn(acc.data() + h * group * head_dim, head_dim, scores.data() + h * group * n,
+                    vp + (kvh + h) * head_dim, bt + s * max_blocks, first, len, block_size,
+                    block_stride, token_stride);
+      }
       c10::BFloat16* dst = op + (s * num_heads + kvh * group) * head_dim;
-      for (int64_t i = 0; i < group * head_dim; i += 16)
+      for (int64_t i = 0; i < heads * head_dim; i += 16)
         bf16x16_store(dst + i, _mm512_loadu_ps(acc.data() + i));
     }
     if (amx) release_tiles();
