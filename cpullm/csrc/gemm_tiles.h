@@ -18,15 +18,20 @@ constexpr int64_t kGemmBlockRows = 264;  // rows of x a thread keeps in L2 acros
 // One row of a panel's product, 32 float32 columns in two halves, stored as bfloat16 with
 // the bias added; with SILU_MUL the halves are 16 gate and 16 up columns, and the row stored
 // is silu(gate) * up, rounded where silu_and_mul_bf16 rounds. Every bf16 GEMM ends in it.
+// silu(gate) * up of 16 gate and 16 up sums (bias included), rounded where
+// silu_and_mul_bf16 rounds; the product's own rounding is the store's.
+inline __m512 silu_mul16(__m512 gate_sum, __m512 up_sum) {
+  const __m512 gate = bf16_round(gate_sum), up = bf16_round(up_sum);
+  const __m512 act = bf16_round(_mm512_div_ps(
+      gate, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate)))));
+  return _mm512_mul_ps(act, up);
+}
+
 template <bool SILU_MUL>
 inline void store_panel_row(c10::BFloat16* out, __m512 lo, __m512 hi, __m512 bias_lo,
                             __m512 bias_hi) {
   if (SILU_MUL) {
-    const __m512 gate = bf16_round(_mm512_add_ps(lo, bias_lo));
-    const __m512 up = bf16_round(_mm512_add_ps(hi, bias_hi));
-    const __m512 act = bf16_round(_mm512_div_ps(
-        gate, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate)))));
-    bf16x16_store(out, _mm512_mul_ps(act, up));
+    bf16x16_store(out, silu_mul16(_mm512_add_ps(lo, bias_lo), _mm512_add_ps(hi, bias_hi)));
   } else {
     bf16x16_store(out, _mm512_add_ps(lo, bias_lo));
     bf16x16_store(out + 16, _mm512_add_ps(hi, bias_hi));

@@ -1125,6 +1125,41 @@ __attribute__((target("amx-tile,amx-bf16"))) void rows_tile_product(
   }
 }
 
+// 16 tokens' products with 32 rows of W (acc: [32 rows][32 tokens] float32, its first 16
+// tokens' columns) as the tokens' rows of out, ldo apart: the bias of each row of W
+// (bias_rows) added, and with silu_mul the 16 rows of gate and their 16 of up made one value
+// first, so that one 16 x 16 transpose takes the rows to tokens: of float32 for silu_mul's
+// 16 outputs, else of the two halves' bfloat16 values paired in 32 bits.
+inline void store_token_rows(const float* acc, const float* bias_rows, bool silu_mul,
+                             int64_t tokens, c10::BFloat16* out, int64_t ldo) {
+  __m512i v[16];
+  if (silu_mul) {
+    for (int r = 0; r < 16; ++r)
+      v[r] = _mm512_castps_si512(silu_mul16(
+          _mm512_add_ps(_mm512_load_ps(acc + r * 32), _mm512_set1_ps(bias_rows[r])),
+          _mm512_add_ps(_mm512_load_ps(acc + (16 + r) * 32), _mm512_set1_ps(bias_rows[16 + r]))));
+    transpose16(v);
+    for (int64_t i = 0; i < tokens; ++i) bf16x16_store(out + i * ldo, _mm512_castsi512_ps(v[i]));
+    return;
+  }
+  // words (2 t, 2 t + 1) <- words (t, t + 16), and back
+  const __m512i pair = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i unpair = _mm512_set_epi16(
+      31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
+      30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  for (int r = 0; r < 16; ++r) {
+    const __m512 lo = _mm512_add_ps(_mm512_load_ps(acc + r * 32), _mm512_set1_ps(bias_rows[r]));
+    const __m512 hi =
+        _mm512_add_ps(_mm512_load_ps(acc + (16 + r) * 32), _mm512_set1_ps(bias_rows[16 + r]));
+    v[r] = _mm512_permutexvar_epi16(pair, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+  transpose16(v);  // v[t]: 32-bit word r holds rows r and 16 + r of token t
+  for (int64_t i = 0; i < tokens; ++i)
+    _mm512_storeu_si512(out + i * ldo, _mm512_permutexvar_epi16(unpair, v[i]));
+}
+
 constexpr int64_t kKeptTokenTileBytes = 8 << 20;
 
 // quant_gemm_bf16_amx below: 32 rows of W an item (16 of gate and 16 of up with silu_mul),
@@ -1190,10 +1225,10 @@ void quant_gemm_rows_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor&
           done = target;
         }
       };
-      __m512 bias_lo = _mm512_setzero_ps(), bias_hi = _mm512_setzero_ps();
+      alignas(64) float bias_rows[32] = {};  // of the block's rows of W
       if (bp != nullptr) {
-        bias_lo = bf16x16_load(bp + first[0]);
-        bias_hi = bf16x16_load(bp + first[1]);
+        _mm512_store_ps(bias_rows, bf16x16_load(bp + first[0]));
+        _mm512_store_ps(bias_rows + 16, bf16x16_load(bp + first[1]));
       }
       for (int64_t t0 = 0; t0 < m; t0 += 32) {
         const __m512i* x0 = xt + (t0 / 16) * chunks * 16;
@@ -1201,26 +1236,10 @@ void quant_gemm_rows_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor&
           rows_tile_product<true>(wt, x0, x0 + chunks * 16, chunks, acc, work);
         else
           rows_tile_product<false>(wt, x0, nullptr, chunks, acc, work);
-        // tokens [t0 + 16 q, + 16): acc's columns, transposed into rows of 32 outputs
-        for (int64_t q = 0; q < 2 && t0 + 16 * q < m; ++q) {
-          __m512i lo[16], hi[16];
-          for (int r = 0; r < 16; ++r) {
-            lo[r] = _mm512_load_si512(acc + r * 32 + 16 * q);
-            hi[r] = _mm512_load_si512(acc + (16 + r) * 32 + 16 * q);
-          }
-          transpose16(lo);
-          transpose16(hi);
-          const int64_t tokens = std::min<int64_t>(16, m - t0 - 16 * q);
-          for (int64_t i = 0; i < tokens; ++i) {
-            c10::BFloat16* o = op + (t0 + 16 * q + i) * ldo + width * p;
-            if (silu_mul)
-              store_panel_row<true>(o, _mm512_castsi512_ps(lo[i]), _mm512_castsi512_ps(hi[i]),
-                                    bias_lo, bias_hi);
-            else
-              store_panel_row<false>(o, _mm512_castsi512_ps(lo[i]), _mm512_castsi512_ps(hi[i]),
-                                     bias_lo, bias_hi);
-          }
-        }
+        for (int64_t q = 0; q < 2 && t0 + 16 * q < m; ++q)
+          store_token_rows(acc + 16 * q, bias_rows, silu_mul,
+                           std::min<int64_t>(16, m - t0 - 16 * q),
+                           op + (t0 + 16 * q) * ldo + width * p, ldo);
       }
     }
     release_tiles();
