@@ -24,6 +24,7 @@ def test_kernels_build():
 @pytest.mark.parametrize("heads,kv_heads,dim,window,softcap,sinks", [
     (6, 2, 64, 0, 0.0, False),     # SmolLM2-like: 3 query heads per KV head
     (9, 3, 64, 0, 0.0, False),     # SmolLM2's shape: on AMX, a sequence's 3 KV heads at once
+    (32, 8, 64, 0, 0.0, False),    # a 1B Llama's: on AMX, 2 KV heads at a time
     (9, 9, 32, 0, 0.0, False),     # no grouping, one 32-wide chunk
     (32, 4, 128, 0, 0.0, False),   # 8 query heads per KV head, 128-wide heads
     (10, 2, 96, 0, 0.0, False),    # 96-wide heads: values in 32-wide passes

@@ -493,19 +493,24 @@ bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
   const float fscale = static_cast<float>(scale);
 
-  // An item is kv KV heads of one sequence. On AMX, where a sequence's query heads fit one
-  // tile's 16 columns and its keys' chunks the 6 query tiles kept (SmolLM2: 9 heads, 3 KV
-  // heads of 64), it is all of them: the scores read each token's row of keys once, whole,
-  // prefetched a few rows ahead, and the values (up to 12 heads) each row's values once for
-  // every 32 dimensions. One KV head at a time reads a row's slice in as many passes. The
-  // next item is not prefetched then: its lines would compete with the current rows'.
-  const bool whole = amx && num_heads <= 16 && num_kv_heads > 1 && num_kv_heads * chunks <= 6;
-  const int64_t kv = whole ? num_kv_heads : 1;
+  // An item is kv KV heads of one sequence. On AMX it is as many as keep their query heads
+  // within one tile's 16 columns and their keys' chunks within the 6 query tiles kept
+  // (SmolLM2: all 3 KV heads of 64, 9 query heads; a 1B Llama: 2 of its 8, 8 of its 32
+  // query heads): the scores read those KV heads' keys of a token at once (SmolLM2: its
+  // whole row), prefetched a few rows ahead, and the values of 2-3 KV heads are summed in
+  // one pass over the rows per 32 dimensions, where one KV head at a time reads each row's
+  // slice in as many passes. The next item is not prefetched then: its lines would compete
+  // with the current rows'.
+  int64_t kv = 1;
+  if (amx)
+    for (int64_t d = 2; d <= num_kv_heads; ++d)
+      if (num_kv_heads % d == 0 && d * group <= 16 && d * chunks <= 6) kv = d;
+  const bool several = kv > 1;
   const int64_t items_per_seq = num_kv_heads / kv, heads = kv * group;
-  const int64_t ahead = whole ? kWholeRowPrefetchTokens : kPrefetchTokens;
+  const int64_t ahead = several ? kSeveralHeadsPrefetchTokens : kPrefetchTokens;
   const AmxScoresFn amx_scores_fn = kScoresAmx[kv * chunks];
   const PagedValuesFn heads_values =
-      whole && kv <= 3 && group <= 4 ? kValuesHeads[kv - 2][group - 1] : nullptr;
+      several && kv <= 3 && group <= 4 ? kValuesHeads[kv - 2][group - 1] : nullptr;
   auto cost = [&](int64_t item) { return decode_cost(lens, item, items_per_seq, window); };
   parallel_by_cost(num_seqs * items_per_seq, cost, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(heads * head_dim);
@@ -526,7 +531,7 @@ bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tenso
       }
       scores.resize(heads * n);
       NextItemPrefetch next_item;
-      if (item + 1 < end && !whole) {
+      if (item + 1 < end && !several) {
         const int64_t s2 = (item + 1) / items_per_seq, kvh2 = (item + 1) % items_per_seq * kv;
         const int64_t len2 = lens[s2];
         next_item = {kp + kvh2 * head_dim, vp + kvh2 * head_dim, bt + s2 * max_blocks,

@@ -189,8 +189,8 @@ inline __m512 bf16_round(__m512 v) {  // float32 -> nearest bfloat16 -> float32
 // How far ahead (in tokens) the paged loops prefetch: the loads of one token depend on
 // nothing, but without hints too few of them are in flight to use the memory bandwidth.
 constexpr int64_t kPrefetchTokens = 16;
-// ... and where each token's row is read whole (all KV heads of a sequence at once)
-constexpr int64_t kWholeRowPrefetchTokens = 8;
+// ... and where several KV heads of each token's row are read at once
+constexpr int64_t kSeveralHeadsPrefetchTokens = 8;
 
 inline void prefetch_row_l2(const c10::BFloat16* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64)
