@@ -269,10 +269,13 @@ class GuidedDecoding:
 
     def warm(self) -> None:
         """Read the vocabulary (0.6-1 s) in a thread now, while the engine starts, not in
-        the step of the first guided request, which every request in it would wait for."""
+        the step of the first guided request, which every request in it would wait for.
+        Not a daemon thread: a process that ends sooner (a short offline run) waits for it,
+        since a thread still in the tokenizer's native code while the interpreter shuts
+        down can crash it (SIGSEGV at exit)."""
         if self._loading is None:
             self._loading = concurrent.futures.Future()
-            threading.Thread(target=self._load, name="grammar-vocabulary", daemon=True).start()
+            threading.Thread(target=self._load, name="grammar-vocabulary").start()
 
     def _load(self) -> None:
         assert self._loading is not None
