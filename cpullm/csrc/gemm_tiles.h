@@ -15,9 +15,6 @@ namespace cpullm {
 constexpr int kGemmRows = 12;
 constexpr int64_t kGemmBlockRows = 264;  // rows of x a thread keeps in L2 across its panels
 
-// One row of a panel's product, 32 float32 columns in two halves, stored as bfloat16 with
-// the bias added; with SILU_MUL the halves are 16 gate and 16 up columns, and the row stored
-// is silu(gate) * up, rounded where silu_and_mul_bf16 rounds. Every bf16 GEMM ends in it.
 // silu(gate) * up of 16 gate and 16 up sums (bias included), rounded where
 // silu_and_mul_bf16 rounds; the product's own rounding is the store's.
 inline __m512 silu_mul16(__m512 gate_sum, __m512 up_sum) {
@@ -27,6 +24,9 @@ inline __m512 silu_mul16(__m512 gate_sum, __m512 up_sum) {
   return _mm512_mul_ps(act, up);
 }
 
+// One row of a panel's product, 32 float32 columns in two halves, stored as bfloat16 with
+// the bias added; with SILU_MUL the halves are 16 gate and 16 up columns, and the row stored
+// is silu(gate) * up, rounded where silu_and_mul_bf16 rounds. Every bf16 GEMM ends in it.
 template <bool SILU_MUL>
 inline void store_panel_row(c10::BFloat16* out, __m512 lo, __m512 hi, __m512 bias_lo,
                             __m512 bias_hi) {

@@ -999,6 +999,13 @@ void quant_gemm_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& d
 // the 16 blocks' scales as they lie), and x's pairs follow that order instead
 // (pairs_of_chunks, above): the dequantization is shifts, masks, conversions and FMAs, with
 // one interleave per 32 weights.
+
+// The index of a word permutation: words (2 l, 2 l + 1) <- words (l, l + 16).
+inline __m512i pair_halves() {
+  return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+}
+
 // Rows [first[0], + 16) and [first[1], + 16) of W as bfloat16 A tiles, chunk after chunk:
 // tiles [chunk][2][16 rows][16 pairs]; of those 32 rows, [r0, r1). The rows ahead rows on
 // are prefetched into L2.
@@ -1007,10 +1014,7 @@ void dequantize_rows(const Weight& w, const int64_t* first, int64_t ahead,
                      const std::vector<Group>& groups, int32_t* tiles, int r0, int r1) {
   const S* scales = static_cast<const S*>(w.scales);
   const S* mins = static_cast<const S*>(w.mins);
-  // words (2 l, 2 l + 1) <- words (l, l + 16): lane l's two bfloat16 values side by side
-  const __m512i interleave = _mm512_set_epi16(
-      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i interleave = pair_halves();  // lane l's two bfloat16 values side by side
   const __m512i low_byte = _mm512_set1_epi32(0xFF);
   const __m512i lane_ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int r = r0; r < r1; ++r) {
@@ -1142,10 +1146,7 @@ inline void store_token_rows(const float* acc, const float* bias_rows, bool silu
     for (int64_t i = 0; i < tokens; ++i) bf16x16_store(out + i * ldo, _mm512_castsi512_ps(v[i]));
     return;
   }
-  // words (2 t, 2 t + 1) <- words (t, t + 16), and back
-  const __m512i pair = _mm512_set_epi16(
-      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i pair = pair_halves();  // and back:
   const __m512i unpair = _mm512_set_epi16(
       31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
       30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
