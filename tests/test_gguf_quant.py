@@ -30,7 +30,7 @@ from cpullm.model_executor.layers.quantization.gguf_blocks import (
     split_blocks,
     unpack,
 )
-from cpullm.model_executor.layers.quantization.kept import QuantizedWeight
+from cpullm.model_executor.layers.quantization.kept import QuantizedWeight, TiledWeight
 from cpullm.transformers_utils import resolve_model
 
 LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
@@ -166,6 +166,78 @@ def test_kernel_writes_into_a_column_slice():
         alone = torch.empty(3, 64, dtype=torch.bfloat16)
         weight.matmul_into(alone, x, None, ops, kernel=kernel)
         assert torch.equal(full[:, 20:84], alone), kernel
+
+
+
+def tiled_kernels() -> tuple[object, list[str]]:
+    """The kernel table, and the kernels on 16-row tiles this machine runs: the int8 dot
+    products wherever the AVX-512 BF16 build runs, the AMX GEMM where the CPU has AMX."""
+    from cpullm.model_executor.layers.ops import amx_tiles_usable
+
+    ops, _ = quantized_kernels()
+    found = []
+    if ops is not None and ops.quant_gemm_tiled_int8 is not None:
+        found.append("tiled_int8")
+    if ops is not None and ops.quant_gemm_tiled_amx is not None and amx_tiles_usable(ops):
+        found.append("tiled_amx")
+    return ops, found
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 17, 600])
+@pytest.mark.parametrize("qtype", KEPT_TYPES, ids=lambda t: t.name)
+def test_tiled_kernels_match_dequantized_reference(qtype, rows):
+    """A weight laid out in 16-row tiles dequantizes to what it was, whole and row by row,
+    and each tile kernel, forced, matches x @ W.T in float32."""
+    ops, kernels = tiled_kernels()
+    if not kernels:
+        pytest.skip("the kernels on 16-row tiles need AVX-512 VNNI and BF16")
+    rng = np.random.default_rng(2)
+    n, k = 96, width(qtype)
+    weight = RawBlocks(qtype, random_blocks(qtype, n, k, rng), (n, k)).to_weight()
+    tiled = TiledWeight.of(weight)
+    reference_w = weight.dequantize(torch.float32)
+    assert torch.equal(tiled.dequantize(torch.float32), reference_w)
+    ids = torch.tensor([[5, 17], [95, 5]])
+    assert torch.equal(tiled.dequantize(torch.float32, ids), reference_w[ids])
+    assert torch.equal(tiled.dequantize(torch.float32, slice(30, 70)), reference_w[30:70])
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    expected = x.float() @ reference_w.T + bias.float()
+    for kernel in ["torch", *kernels]:
+        out = torch.empty(rows, n, dtype=torch.bfloat16)
+        tiled.matmul_into(out, x, bias, ops, kernel=kernel)
+        error = (out.float() - expected).norm() / expected.norm()
+        assert error < (0.01 if kernel == "tiled_int8" else 0.004), (kernel, error)
+
+
+@pytest.mark.parametrize("rows", [1, 21, 300])
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
+def test_tiled_amx_kernel_stores_silu_mul_and_writes_a_column_slice(qtype, rows):
+    """On 16-row tiles: silu(gate) * up stored with the product is bit for bit the product
+    followed by the SiLU-mul kernel; the product lands in a column slice of a wider output."""
+    from cpullm.model_executor.layers.activation import SiluAndMul
+
+    ops, kernels = tiled_kernels()
+    if "tiled_amx" not in kernels:
+        pytest.skip("the AMX GEMM on 16-row tiles needs AMX tiles")
+    n, k = 96, width(qtype)
+    weight = TiledWeight.of(RawBlocks(qtype, random_blocks(
+        qtype, n, k, np.random.default_rng(5)), (n, k)).to_weight())
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    for bias in (torch.randn(n, generator=gen).bfloat16(), None):
+        product = torch.empty(rows, n, dtype=torch.bfloat16)
+        weight.matmul_into(product, x, bias, ops, kernel="tiled_amx")
+        fused = torch.empty(rows, n // 2, dtype=torch.bfloat16)
+        weight.matmul_into(fused, x, bias, ops, kernel="tiled_amx", silu_mul=True)
+        assert torch.equal(fused, SiluAndMul(ops)(product)), bias is None
+    for kernel in kernels:
+        full = torch.full((rows, n + 36), 7.0, dtype=torch.bfloat16)
+        weight.matmul_into(full[:, 20:20 + n], x, None, ops, kernel=kernel)
+        alone = torch.empty(rows, n, dtype=torch.bfloat16)
+        weight.matmul_into(alone, x, None, ops, kernel=kernel)
+        assert torch.equal(full[:, 20:20 + n], alone), kernel
+        assert bool((full[:, :20] == 7).all() and (full[:, 20 + n:] == 7).all()), kernel
 
 
 # A tiny Llama whose tensors mix the types of a Q4_K_M file: q/k Q4_K and v Q6_K in one

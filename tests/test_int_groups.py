@@ -38,6 +38,7 @@ from cpullm.model_executor.layers.quantization.kept import (
     KeptLinearMethod,
     QuantizedWeight,
     Shard,
+    TiledWeight,
 )
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
@@ -275,7 +276,11 @@ def _check_end_to_end(quantized: Path, expected: list[list[int]], origin: str,
         return  # bfloat16 runs dequantized too on this CPU
     model, kept = greedy_outputs(str(quantized), "bfloat16")
     weights = [m for m in model.modules() if isinstance(m, QuantizedWeight)]
-    assert weights and all(type(w) is kept_as and w.origin == origin for w in weights)
+    # where the CPU has AMX, the blocks are laid out again in 16-row tiles after loading
+    assert weights and all(w.origin == origin for w in weights)
+    assert all(type(w) is kept_as or type(w) is TiledWeight and kept_as is QuantizedWeight
+               for w in weights)
+    assert not any(type(w) is QuantizedWeight and TiledWeight.runs(w, ops) for w in weights)
     assert_greedy_follows(exact, kept)
     from safetensors import safe_open
 

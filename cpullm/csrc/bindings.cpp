@@ -49,6 +49,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemm_int8_amx", &cpullm::quant_gemm_int8_amx,
         "x @ w.T for per-channel INT8 weights laid out as AMX-INT8 tiles, x quantized per "
         "token; only where amx_bf16_ready()");
+  m.def("quant_gemm_tiled_int8", &cpullm::quant_gemm_tiled_int8,
+        "x @ w.T with w kept quantized in 16-row tiles, on int8 dot products of x quantized "
+        "per block");
+  m.def("quant_gemm_tiled_amx", &cpullm::quant_gemm_tiled_amx,
+        "x @ w.T with w kept quantized in 16-row tiles, dequantized into AMX tiles' panels "
+        "(K a multiple of 32); only where amx_bf16_ready()");
 #endif
 #if defined(__AVX512BW__) && defined(__AVX512BF16__)
   m.def("fp8_gemm_bf16", &cpullm::fp8_gemm_bf16,

@@ -33,17 +33,22 @@ constexpr int64_t kAmxSliceK = 2048;
 
 // Tiles (amx.h): tmm0-3 the accumulators, tmm4-5 x, tmm6-7 the panel.
 
+struct NoWork {
+  void operator()() const {}
+};
+
 // acc [32][32] float32 = tiles of x (a0: rows 0-15, a1: rows 16-31, each with its own
 // stride in bytes) times one panel, over k2 pairs of k (a multiple of 16). TWO: both row
 // tiles; else a0's alone. next: a panel to prefetch into L2 as this one runs, or null:
 // lines [line0, line1) of each k-step's 2 KiB (32 lines) of it, so that the row tiles of a
 // panel share its prefetch evenly. accumulate: add to what acc holds (a product over the
-// k before these) instead of starting from zero.
-template <bool TWO>
+// k before these) instead of starting from zero. work(): after each k-step's products, as
+// the tiles compute (the next panel's dequantization, a part at a time).
+template <bool TWO, typename Work = NoWork>
 __attribute__((target("amx-tile,amx-bf16"))) void amx_panel(
     const c10::BFloat16* a0, int64_t lda0, const c10::BFloat16* a1, int64_t lda1,
     const c10::BFloat16* panel, int64_t k2, const char* next, int line0, int line1,
-    float* acc, bool accumulate = false) {
+    float* acc, bool accumulate = false, Work work = Work{}) {
   if (accumulate) {
     _tile_loadd(0, acc, 128);
     _tile_loadd(1, acc + 16, 128);
@@ -74,6 +79,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_panel(
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
+    work();
   }
   _tile_stored(0, acc, 128);
   _tile_stored(1, acc + 16, 128);
@@ -129,12 +135,15 @@ void store_product(const float* acc, int64_t rows, const c10::BFloat16* bias, bo
 
 bool amx_bf16_ready() { return amx_permitted(); }
 
-// gemm_on_panels (gemm_tiles.h) on AMX tiles: each thread dequantizes its panels one at a
-// time into the packed layout, which is the tiles' B operand as it lies, and runs every 32
-// rows of x over each.
+// gemm_on_panels (gemm_tiles.h) on AMX tiles: each thread dequantizes its panels into the
+// packed layout, which is the tiles' B operand as it lies, and runs each row block of x (as
+// many rows as stay in L2) over them. Two panels at a time: while a row block runs over one,
+// the next is dequantized into the other, a part after some of its k-steps, so that the
+// vector units work as the tiles do. A thread with one panel dequantizes it once; with
+// several, once per row block.
 void gemm_on_panels_amx(at::Tensor& out, const at::Tensor& x, int64_t n,
-                        const c10::optional<at::Tensor>& bias,
-                        const std::function<void(int64_t, int32_t*)>& dequantize, bool silu_mul) {
+                        const c10::optional<at::Tensor>& bias, const PanelParts& dequantize,
+                        int64_t parts, bool silu_mul) {
   TORCH_CHECK(amx_permitted(), "gemm_on_panels_amx: the OS gives this process no AMX tiles");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(k % 32 == 0, "gemm_on_panels_amx: K must be a multiple of 32 (the tile depth)");
@@ -143,22 +152,40 @@ void gemm_on_panels_amx(at::Tensor& out, const at::Tensor& x, int64_t n,
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   const int64_t ldo = out.stride(0), width = silu_mul ? 16 : 32;
+  const int64_t max_rows = std::max<int64_t>(32, kAmxBlockBytes / (2 * k) / 32 * 32);
+  const int64_t num_blocks = (m + max_rows - 1) / max_rows;
+  const int64_t block_rows = ((m + num_blocks - 1) / num_blocks + 31) / 32 * 32;
   at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
     load_tile_config();
-    std::vector<int32_t> panel(16 * k);  // [k / 2][32] pairs
-    const auto* pp = reinterpret_cast<const c10::BFloat16*>(panel.data());
+    thread_local std::vector<int32_t> buffer;  // two panels [k / 2][32] of pairs, kept
+    if (static_cast<int64_t>(buffer.size()) < 32 * k) buffer.resize(32 * k);
+    int32_t* panels[2] = {buffer.data(), buffer.data() + 16 * k};
+    const int64_t count = end - begin, items = num_blocks * count;  // (row block, panel)
+    dequantize(begin, panels[0], 0, parts);
     alignas(64) float acc[32 * 32];
-    for (int64_t p = begin; p < end; ++p) {
-      dequantize(p, panel.data());
-      for (int64_t r = 0; r < m; r += 32) {
-        const int64_t rows = std::min<int64_t>(32, m - r);
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t p = begin + item % count, r0 = item / count * block_rows;
+      const int64_t r1 = std::min(m, r0 + block_rows);
+      const auto* pp = reinterpret_cast<const c10::BFloat16*>(panels[item % 2 * (count > 1)]);
+      int32_t* next = panels[(item + 1) % 2];
+      const int64_t calls = (r1 - r0 + 31) / 32 * (k / 32);  // k-steps this item takes
+      int64_t call = 0, done = item + 1 < items && count > 1 ? 0 : parts;
+      auto work = [&]() {
+        const int64_t target = (++call * parts + calls - 1) / calls;
+        if (target > done) {
+          dequantize(begin + (item + 1) % count, next, done, target);
+          done = target;
+        }
+      };
+      for (int64_t r = r0; r < r1; r += 32) {
+        const int64_t rows = std::min<int64_t>(32, r1 - r);
         int64_t lda0 = 0, lda1 = 0;
         const c10::BFloat16* a0 = tiles.at(r, lda0);
         if (rows > 16) {
           const c10::BFloat16* a1 = tiles.at(r + 16, lda1);
-          amx_panel<true>(a0, lda0, a1, lda1, pp, k / 2, nullptr, 0, 0, acc);
+          amx_panel<true>(a0, lda0, a1, lda1, pp, k / 2, nullptr, 0, 0, acc, false, work);
         } else {
-          amx_panel<false>(a0, lda0, nullptr, 0, pp, k / 2, nullptr, 0, 0, acc);
+          amx_panel<false>(a0, lda0, nullptr, 0, pp, k / 2, nullptr, 0, 0, acc, false, work);
         }
         store_product(acc, rows, bp != nullptr ? bp + 32 * p : nullptr, silu_mul,
                       op + r * ldo + width * p, ldo);

@@ -111,10 +111,22 @@ void gemm_on_panels(at::Tensor& out, const at::Tensor& x, int64_t n,
 }
 
 // gemm_on_panels on AMX tiles (gemm_amx.cpp), for K a multiple of 32 where
-// amx_bf16_ready(): dequantize(p, panel) and silu_mul as above.
+// amx_bf16_ready(), silu_mul as above: dequantize(p, panel, part0, part1) writes parts
+// [part0, part1) of panel p (of parts in all).
+using PanelParts = std::function<void(int64_t, int32_t*, int64_t, int64_t)>;
 void gemm_on_panels_amx(at::Tensor& out, const at::Tensor& x, int64_t n,
-                        const c10::optional<at::Tensor>& bias,
-                        const std::function<void(int64_t, int32_t*)>& dequantize, bool silu_mul);
+                        const c10::optional<at::Tensor>& bias, const PanelParts& dequantize,
+                        int64_t parts, bool silu_mul);
+
+// ... a whole panel at a time: dequantize(p, panel).
+inline void gemm_on_panels_amx(at::Tensor& out, const at::Tensor& x, int64_t n,
+                               const c10::optional<at::Tensor>& bias,
+                               const std::function<void(int64_t, int32_t*)>& dequantize,
+                               bool silu_mul) {
+  gemm_on_panels_amx(out, x, n, bias, [&](int64_t p, int32_t* panel, int64_t, int64_t) {
+    dequantize(p, panel);
+  }, 1, silu_mul);
+}
 
 // gemm_on_panels on AMX tiles or on the register tiles above.
 template <typename Dequantize>

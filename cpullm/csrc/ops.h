@@ -74,6 +74,15 @@ void quant_gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor data, at::Tens
 // a float32 scale per row, by x quantized per token, on the tiles (where amx_bf16_ready())
 void quant_gemm_int8_amx(at::Tensor out, at::Tensor x, at::Tensor tiles, at::Tensor row_scales,
                          c10::optional<at::Tensor> bias, bool silu_mul);
+// the same blocks laid out in 16-row tiles (data [n / 16, k * 2 bits], scales and mins
+// [n / 16, blocks, 16]): int8 dot products for a few rows of x, and dequantized into the
+// AMX GEMM's panels (K a multiple of 32; where amx_bf16_ready())
+void quant_gemm_tiled_int8(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
+                           c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
+                           int64_t zero, c10::optional<at::Tensor> bias);
+void quant_gemm_tiled_amx(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
+                          c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
+                          int64_t zero, c10::optional<at::Tensor> bias, bool silu_mul);
 #endif
 
 // fp8_gemm.cpp: x @ W.T with W kept in FP8 (e4m3 bytes, a float32 scale per row and block)

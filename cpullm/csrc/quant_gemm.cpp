@@ -962,6 +962,14 @@ struct PanelDequantizer {
   static constexpr auto entry = &dequantize_panel<BITS, S, MIN>;
 };
 
+// The bias of each panel's 32 columns: with silu_mul, a panel is 16 rows of gate and the
+// same 16 of up, and its bias too.
+c10::optional<at::Tensor> panel_bias(const c10::optional<at::Tensor>& bias, int64_t n,
+                                     bool silu_mul) {
+  if (!silu_mul || !bias.has_value()) return bias;
+  return bias->view({2, n / 32, 16}).transpose(0, 1).contiguous();
+}
+
 // quant_gemm_bf16 below: its panels on the AVX-512 GEMM's register tiles.
 void quant_gemm_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& data,
                        const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
@@ -977,12 +985,7 @@ void quant_gemm_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& d
   const Weight w = weight_of(data, scales, mins, zero);
   const auto dequantize = pick_kept<PanelDequantizer>(bits, block, scales.scalar_type() == at::kHalf,
                                                       mins.has_value());
-  // with silu_mul, a panel is 16 rows of gate and the same 16 of up, and its bias too
-  const c10::optional<at::Tensor> panel_bias =
-      silu_mul && bias.has_value()
-          ? c10::optional<at::Tensor>(bias->view({2, n / 32, 16}).transpose(0, 1).contiguous())
-          : bias;
-  gemm_on_panels(out, x, n, panel_bias, [&](int64_t p, int32_t* panel) {
+  gemm_on_panels(out, x, n, panel_bias(bias, n, silu_mul), [&](int64_t p, int32_t* panel) {
     const int64_t first[2] = {silu_mul ? 16 * p : 32 * p, silu_mul ? half_n + 16 * p : 32 * p + 16};
     dequantize(w, first, silu_mul ? 16 : 32, groups, static_cast<int>(block), panel);
   }, silu_mul);
@@ -1488,6 +1491,282 @@ void quant_gemm_int8_amx(at::Tensor out, at::Tensor x, at::Tensor tiles, at::Ten
     }
     release_tiles();
   });
+}
+
+// ----- the same blocks laid out in 16-row tiles, where the CPU has AMX -----
+//
+// Where the CPU has AMX, a kept weight is laid out again after loading (quantization/
+// kept.py, TiledWeight) with 16 rows of W side by side, one per 32-bit lane: per 16 rows
+// ("a group") and 32 k ("a chunk"), steps of 64 bytes whose lane r holds 4 consecutive k of
+// row r. With 8 bits, 8 steps, step q the k 4q .. 4q + 3; with 4 bits, 4 steps, step q
+// those k in its low halves and 16 + 4q .. 16 + 4q + 3 in its high ones. The scales (and
+// mins) are [groups][blocks][16]. So:
+// - dequantized, a step is rows of the B operand of TDPBF16PS as they lie (pairs of k by 16
+//   columns of W): a group's 16 rows need no transpose, and the dense AMX GEMM runs on the
+//   panels they make (gemm_on_panels_amx), x its A operand where it lies, its products
+//   stored as they come: no tiles of x to lay out, no products to transpose;
+// - for a few rows of x, a step is the operand of VNNI's dot products of 4 u by 4 q per
+//   lane, x quantized to int8 per block and broadcast 4 k at a time.
+namespace {
+
+struct TiledWeight {
+  const uint8_t* data;  // [groups][k / 32][steps][64]
+  const void* scales;   // [groups][blocks][16]
+  const void* mins;     // the same, or null
+  int64_t k, blocks, group_bytes;
+  float zero;
+};
+
+inline __m512 group_values(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 group_values(const float* p) { return _mm512_loadu_ps(p); }
+
+// The scale and the min (or -zero s) of block b of group g's 16 rows.
+template <typename S, bool MIN>
+inline void group_scales(const TiledWeight& w, int64_t g, int64_t b, __m512& s, __m512& m) {
+  const int64_t at = (g * w.blocks + b) * 16;
+  s = group_values(static_cast<const S*>(w.scales) + at);
+  m = MIN ? group_values(static_cast<const S*>(w.mins) + at)
+          : _mm512_mul_ps(s, _mm512_set1_ps(-w.zero));
+}
+
+// The u of each lane that SHIFT moves to the bits of mask, as the float32 one + u: one is
+// 128 (4 bits: u at bits 16-19 of its mantissa) or 256 (8 bits: u at bits 15-22).
+template <int SHIFT>
+inline __m512 biased_u(__m512i v, __m512i mask, __m512i one) {
+  if constexpr (SHIFT > 0) v = _mm512_slli_epi32(v, SHIFT);
+  if constexpr (SHIFT < 0) v = _mm512_srli_epi32(v, -SHIFT);
+  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(v, mask, one, 0xEA));  // v & mask | one
+}
+
+// Parts [part0, part1) of groups group[0] and group[1] of W as a bfloat16 panel [k / 2][32]
+// [2] (columns 0-15 and 16-31), a part 32 k of one group (part i: chunk i % (k / 32) of
+// group[i / (k / 32)]): w = s u + m = s (one + u) + (m - one s), one FMA per 16 weights.
+// The groups ahead groups on (the next panel's) are prefetched into L2.
+template <int BITS, typename S, bool MIN, int BLOCK>
+void dequantize_tiled(const TiledWeight& w, const int64_t* group, int64_t ahead,
+                      int32_t* panel, int64_t part0, int64_t part1) {
+  constexpr int kSteps = BITS == 4 ? 4 : 8;
+  const float one = BITS == 4 ? 128.f : 256.f;
+  const __m512i mask = _mm512_set1_epi32(BITS == 4 ? 0x000F0000 : 0x007F8000);
+  const __m512i bits = _mm512_set1_epi32(BITS == 4 ? 0x43000000 : 0x43800000);
+  const __m512i interleave = pair_halves();
+  // pairs (a[l], b[l]) of 16 columns: one row of the panel's half
+  auto store = [&](int32_t* dst, __m512 a, __m512 b) {
+    _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(b, a)));
+  };
+  const int64_t chunks = w.k / 32;
+  for (int64_t part = part0; part < part1; ++part) {
+    const int64_t half = part / chunks, c = part % chunks;
+    const uint8_t* src = w.data + group[half] * w.group_bytes;
+    {
+      __m512 s[2], m[2];  // of k 32c .. + 15 and 32c + 16 .. + 31
+      for (int h = 0; h < 2; ++h) {
+        group_scales<S, MIN>(w, group[half], (32 * c + 16 * h) / BLOCK, s[h], m[h]);
+        m[h] = _mm512_fnmadd_ps(s[h], _mm512_set1_ps(one), m[h]);
+      }
+      const uint8_t* steps = src + c * kSteps * 64;
+      int32_t* out = panel + c * 16 * 32 + 16 * half;  // pair 16c, this half's columns
+      for (int q = 0; q < kSteps; ++q) {
+        _mm_prefetch(reinterpret_cast<const char*>(steps + ahead * w.group_bytes + q * 64),
+                     _MM_HINT_T1);
+        const __m512i u = _mm512_loadu_si512(steps + q * 64);
+        if (BITS == 8) {
+          const int h = q / 4;
+          store(out + 2 * q * 32, _mm512_fmadd_ps(biased_u<15>(u, mask, bits), s[h], m[h]),
+                _mm512_fmadd_ps(biased_u<7>(u, mask, bits), s[h], m[h]));
+          store(out + (2 * q + 1) * 32, _mm512_fmadd_ps(biased_u<-1>(u, mask, bits), s[h], m[h]),
+                _mm512_fmadd_ps(biased_u<-9>(u, mask, bits), s[h], m[h]));
+        } else {
+          store(out + 2 * q * 32, _mm512_fmadd_ps(biased_u<16>(u, mask, bits), s[0], m[0]),
+                _mm512_fmadd_ps(biased_u<8>(u, mask, bits), s[0], m[0]));
+          store(out + (2 * q + 1) * 32, _mm512_fmadd_ps(biased_u<0>(u, mask, bits), s[0], m[0]),
+                _mm512_fmadd_ps(biased_u<-8>(u, mask, bits), s[0], m[0]));
+          store(out + (8 + 2 * q) * 32, _mm512_fmadd_ps(biased_u<12>(u, mask, bits), s[1], m[1]),
+                _mm512_fmadd_ps(biased_u<4>(u, mask, bits), s[1], m[1]));
+          store(out + (9 + 2 * q) * 32, _mm512_fmadd_ps(biased_u<-4>(u, mask, bits), s[1], m[1]),
+                _mm512_fmadd_ps(biased_u<-12>(u, mask, bits), s[1], m[1]));
+        }
+      }
+    }
+  }
+}
+
+template <int BITS, int BLOCK, typename S, bool MIN>
+struct TiledDequantizer {
+  static constexpr auto entry = &dequantize_tiled<BITS, S, MIN, BLOCK>;
+};
+
+// x quantized to int8 per block, in order: q [m][k], dx and dx sum(q) [m][blocks].
+struct BlockQuantizedX {
+  std::vector<int8_t> q;
+  std::vector<float> scale, sum;
+};
+
+BlockQuantizedX quantize_blocks(const at::Tensor& x, int64_t block) {
+  const int64_t m = x.size(0), k = x.size(1), blocks = k / block;
+  BlockQuantizedX out{std::vector<int8_t>(m * k), std::vector<float>(m * blocks),
+                      std::vector<float>(m * blocks)};
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t b = 0; b < blocks; ++b) {
+        int32_t total = 0;
+        const float d = quantize_span(xp + t * x.stride(0) + b * block, block,
+                                      out.q.data() + t * k + b * block, total);
+        out.scale[t * blocks + b] = d;
+        out.sum[t * blocks + b] = d * static_cast<float>(total);
+      }
+  });
+  return out;
+}
+
+// Tokens [t0, t0 + T) by G groups from group g0 on (16 G rows of W), as float32 [T][G][16]
+// in acc: per block, the integer sums of u q (4 k per lane per instruction, x's 4 broadcast)
+// meet the block's scales once: s dx sum(u q) + m dx sum(q).
+template <int BITS, int BLOCK, typename S, bool MIN, int T, int G>
+void tiled_dots(const TiledWeight& w, int64_t g0, const BlockQuantizedX& xq, int64_t t0,
+                __m512* acc) {
+  constexpr int kSteps = BITS == 4 ? 4 : 8;
+  const int64_t k = w.k;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512i sums[T][G];
+  for (int t = 0; t < T; ++t)
+    for (int g = 0; g < G; ++g) {
+      acc[t * G + g] = _mm512_setzero_ps();
+      sums[t][g] = _mm512_setzero_si512();
+    }
+  for (int64_t c = 0; c < k / 32; ++c)
+    for (int h = 0; h < 2; ++h) {  // k 32c + 16h .. + 15
+      for (int q = 0; q < 4; ++q) {
+        __m512i u[G];
+        for (int g = 0; g < G; ++g) {
+          const uint8_t* steps = w.data + (g0 + g) * w.group_bytes + c * kSteps * 64;
+          if (BITS == 8) {
+            u[g] = _mm512_loadu_si512(steps + (4 * h + q) * 64);
+          } else {
+            const __m512i packed = _mm512_loadu_si512(steps + q * 64);
+            u[g] = _mm512_and_si512(h ? _mm512_srli_epi16(packed, 4) : packed, low);
+          }
+        }
+        for (int t = 0; t < T; ++t) {
+          int32_t quad;
+          std::memcpy(&quad, xq.q.data() + (t0 + t) * k + 32 * c + 16 * h + 4 * q, 4);
+          const __m512i xs = _mm512_set1_epi32(quad);
+          for (int g = 0; g < G; ++g) sums[t][g] = _mm512_dpbusd_epi32(sums[t][g], u[g], xs);
+        }
+      }
+      const int64_t kk = 32 * c + 16 * h + 16;  // k done
+      if (kk % BLOCK == 0) {
+        const int64_t b = kk / BLOCK - 1;
+        for (int g = 0; g < G; ++g) {
+          __m512 s, m;
+          group_scales<S, MIN>(w, g0 + g, b, s, m);
+          for (int t = 0; t < T; ++t) {
+            const int64_t at = (t0 + t) * w.blocks + b;
+            __m512& a = acc[t * G + g];
+            a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t][g]),
+                                _mm512_mul_ps(s, _mm512_set1_ps(xq.scale[at])), a);
+            a = _mm512_fmadd_ps(m, _mm512_set1_ps(xq.sum[at]), a);
+            sums[t][g] = _mm512_setzero_si512();
+          }
+        }
+      }
+    }
+}
+
+constexpr int kTiledTokens = 4;  // tokens of x per item of the int8 dot products
+
+template <int BITS, int BLOCK, typename S, bool MIN>
+struct TiledDots {
+  using Fn = void (*)(const TiledWeight&, int64_t, const BlockQuantizedX&, int64_t, __m512*);
+  static constexpr Fn entry[kTiledTokens][2] = {
+      {&tiled_dots<BITS, BLOCK, S, MIN, 1, 1>, &tiled_dots<BITS, BLOCK, S, MIN, 1, 2>},
+      {&tiled_dots<BITS, BLOCK, S, MIN, 2, 1>, &tiled_dots<BITS, BLOCK, S, MIN, 2, 2>},
+      {&tiled_dots<BITS, BLOCK, S, MIN, 3, 1>, &tiled_dots<BITS, BLOCK, S, MIN, 3, 2>},
+      {&tiled_dots<BITS, BLOCK, S, MIN, 4, 1>, &tiled_dots<BITS, BLOCK, S, MIN, 4, 2>}};
+};
+
+TiledWeight check_tiled(const at::Tensor& out, const at::Tensor& x, const at::Tensor& data,
+                        const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                        int64_t bits, int64_t block, int64_t zero,
+                        const c10::optional<at::Tensor>& bias, bool silu_mul) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
+              x.stride(1) == 1 && out.stride(1) == 1,
+              "quant_gemm_tiled: bfloat16 x and out with unit column stride expected");
+  TORCH_CHECK((bits == 4 || bits == 8) && (block == 16 || block == 32 || block == 64 || block == 128),
+              "quant_gemm_tiled: bits 4 or 8, blocks of 16, 32, 64 or 128");
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.dim() == 2 &&
+              scales.is_contiguous() && scales.dim() == 3 &&
+              (scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat),
+              "quant_gemm_tiled: uint8 data [n / 16, k * 2 bits] and float16 or float32 "
+              "scales [n / 16, blocks, 16] expected");
+  const int64_t m = x.size(0), k = x.size(1), groups = data.size(0), n = 16 * groups;
+  TORCH_CHECK(k % 32 == 0 && k % block == 0 && data.size(1) == k * 2 * bits &&
+              scales.size(0) == groups && scales.size(1) == k / block && scales.size(2) == 16 &&
+              out.size(0) == m && out.size(1) == (silu_mul ? n / 2 : n),
+              "quant_gemm_tiled: shapes do not match (K a multiple of 32)");
+  if (mins.has_value())
+    TORCH_CHECK(mins->scalar_type() == scales.scalar_type() && mins->is_contiguous() &&
+                mins->sizes() == scales.sizes(), "quant_gemm_tiled: mins like scales expected");
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
+                bias->numel() == n, "quant_gemm_tiled: a bfloat16 bias of n values expected");
+  return TiledWeight{data.data_ptr<uint8_t>(), scales.data_ptr(),
+                     mins.has_value() ? mins->data_ptr() : nullptr, k, k / block,
+                     data.size(1), static_cast<float>(zero)};
+}
+
+}  // namespace
+
+void quant_gemm_tiled_int8(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
+                           c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
+                           int64_t zero, c10::optional<at::Tensor> bias) {
+  const TiledWeight w = check_tiled(out, x, data, scales, mins, bits, block, zero, bias, false);
+  const int64_t m = x.size(0), groups = data.size(0);
+  if (m == 0) return;
+  const auto dots = pick_kept<TiledDots>(bits, block, scales.scalar_type() == at::kHalf,
+                                         mins.has_value());
+  const BlockQuantizedX xq = quantize_blocks(x, block);
+  const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  const int64_t ldo = out.stride(0), pairs = (groups + 1) / 2;
+  const int64_t token_items = (m + kTiledTokens - 1) / kTiledTokens;
+  at::parallel_for(0, pairs * token_items, 1, [&](int64_t begin, int64_t end) {
+    __m512 acc[kTiledTokens * 2];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g0 = 2 * (item % pairs), t0 = item / pairs * kTiledTokens;
+      const int tokens = static_cast<int>(std::min<int64_t>(kTiledTokens, m - t0));
+      const int gs = static_cast<int>(std::min<int64_t>(2, groups - g0));
+      dots[tokens - 1][gs - 1](w, g0, xq, t0, acc);
+      for (int t = 0; t < tokens; ++t)
+        for (int g = 0; g < gs; ++g) {
+          const int64_t r = 16 * (g0 + g);
+          __m512 v = acc[t * gs + g];
+          if (bp != nullptr) v = _mm512_add_ps(v, bf16x16_load(bp + r));
+          bf16x16_store(op + (t0 + t) * ldo + r, v);
+        }
+    }
+  });
+}
+
+void quant_gemm_tiled_amx(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
+                          c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
+                          int64_t zero, c10::optional<at::Tensor> bias, bool silu_mul) {
+  TORCH_CHECK(amx_permitted(), "quant_gemm_tiled_amx: the OS gives this process no AMX tiles");
+  const TiledWeight w = check_tiled(out, x, data, scales, mins, bits, block, zero, bias, silu_mul);
+  const int64_t n = 16 * data.size(0);
+  TORCH_CHECK(n % 32 == 0, "quant_gemm_tiled_amx: 32-row panels of W (16 of gate and 16 of up "
+              "with silu_mul) expected");
+  if (x.size(0) == 0) return;
+  const auto dequantize = pick_kept<TiledDequantizer>(bits, block, scales.scalar_type() == at::kHalf,
+                                                      mins.has_value());
+  gemm_on_panels_amx(out, x, n, panel_bias(bias, n, silu_mul),
+                     [&](int64_t p, int32_t* panel, int64_t part0, int64_t part1) {
+    const int64_t group[2] = {silu_mul ? p : 2 * p, silu_mul ? n / 32 + p : 2 * p + 1};
+    dequantize(w, group, silu_mul ? 1 : 2, panel, part0, part1);
+  }, 2 * (x.size(1) / 32), silu_mul);
 }
 #endif
 

@@ -165,6 +165,7 @@ class LMHead(VocabEmbedding):
         if self.int8 and table.quantized is None:
             self._quantize_int8(table)
         if table.quantized is not None:
+            table.quantized = table.quantized.for_kernels(ops)
             self.quantized = table.quantized
         else:
             self.gemm = PackedGemm.create(self.weight.data, None, ops)

@@ -62,6 +62,9 @@ class SparseMoE(nn.Module):
         expert = expert or (lambda: LlamaMLP(hidden_size, expert_size, False, dtype, ops,
                                              quant_config, reduce=False))
         self.experts = nn.ModuleList(expert() for _ in range(num_experts))
+        for module in self.experts.modules():
+            if isinstance(module, LinearBase):  # their kept blocks as quant_gemm_grouped reads them
+                module.grouped_expert = True
         self.shared_expert: LlamaMLP | None = None
         if shared_size:
             self.shared_expert = LlamaMLP(hidden_size, shared_size, False, dtype, ops,

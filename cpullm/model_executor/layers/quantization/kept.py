@@ -67,6 +67,7 @@ class QuantizedWeight(nn.Module):
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
         per_row = per_token and fmt.bits == 8 and fmt.zero == 128 and k % 64 == 0 \
+            and scales.dim() == 2 \
             and scales.shape[0] % 16 == 0 and bool((scales == scales[:, :1]).all())
         self.register_buffer("row_scales", scales[:, 0].float().contiguous() if per_row else None)
 
@@ -104,21 +105,30 @@ class QuantizedWeight(nn.Module):
             mins = None if mins is None else mins[index]
         rows, k, block = data.shape[0], self.k, self.fmt.block
         u = torch.from_numpy(unpack(data.numpy(), self.fmt.bits, block, k))
-        u = u.view(rows, k // block, block).float()  # [rows, blocks, block]
+        return self._weights(u.view(rows, k // block, block), scales, mins).view(rows, k).to(dtype)
+
+    def _weights(self, u: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+                 ) -> torch.Tensor:
+        """u [rows, blocks, block] with their blocks' scales and mins (or the zero point) as
+        float32 weights."""
         s = scales.float()[..., None]
         if self.fmt.zero is not None:
-            w = (u - float(self.fmt.zero)) * s
-        else:
-            assert mins is not None
-            w = s * u + mins.float()[..., None]
-        return w.view(rows, k).to(dtype)
+            return (u.float() - float(self.fmt.zero)) * s
+        assert mins is not None
+        return s * u.float() + mins.float()[..., None]
 
-    def for_kernels(self, ops: KernelTable | None) -> QuantizedWeight:
-        """The weight in the layout the fastest kernel here takes: per-channel INT8 as
-        AMX-INT8 tiles where the CPU has them, else as it is."""
-        if self.row_scales is not None and ops is not None \
-                and ops.quant_gemm_int8_amx is not None and amx_int8_usable(ops):
+    def for_kernels(self, ops: KernelTable | None, tiles: bool = True) -> QuantizedWeight:
+        """The weight in the layout the fastest kernel here takes, where the CPU has AMX:
+        per-channel INT8 as AMX-INT8 tiles, the other blocks (unless not ``tiles``: a
+        mixture's experts, which quant_gemm_grouped runs as stored) in 16-row tiles
+        (``TiledWeight``); elsewhere as it is."""
+        if ops is None:
+            return self
+        if self.row_scales is not None and ops.quant_gemm_int8_amx is not None \
+                and amx_int8_usable(ops):
             return AmxInt8Weight.of(self)
+        if tiles and TiledWeight.runs(self, ops):
+            return TiledWeight.of(self)
         return self
 
     @staticmethod
@@ -273,6 +283,98 @@ class AmxInt8Weight(QuantizedWeight):
         return f"{name}: cpullm AMX-INT8 tiles, x quantized to int8 per token"
 
 
+class TiledWeight(QuantizedWeight):
+    """A ``QuantizedWeight``'s blocks with 16 rows of W side by side, one per 32-bit lane:
+    ``data`` [n / 16, k * 2 * bits], per 16 rows and 32 k steps of 64 bytes whose lane r
+    holds 4 consecutive k of row r (8 bits: 8 steps, step q the k 4q .. 4q + 3; 4 bits: 4
+    steps, step q those k in its low halves and 16 + 4q .. 16 + 4q + 3 in its high ones);
+    ``scales`` and ``mins`` [n / 16, blocks, 16]. Dequantized, a step is rows of an AMX
+    tile's B operand as they lie, so the AMX GEMM needs no transposes of W or of its
+    products; for a few rows of x, VNNI's dot products read the steps as they lie
+    (csrc/quant_gemm.cpp: quant_gemm_tiled_*). Made where the CPU has AMX."""
+
+    runs_grouped = False
+    silu_mul_kernels = ("tiled_amx",)
+
+    @staticmethod
+    def runs(weight: QuantizedWeight, ops: KernelTable) -> bool:
+        """Whether ``weight`` (integer blocks as loaded, not FP8 nor another layout) can be
+        tiled and run here: AMX tiles, K a multiple of the tile depth (32) and N of the 32
+        columns of a panel."""
+        return type(weight) is QuantizedWeight and ops.quant_gemm_tiled_amx is not None \
+            and weight.k % 32 == 0 and weight.n % 32 == 0 and amx_tiles_usable(ops)
+
+    @classmethod
+    def of(cls, weight: QuantizedWeight) -> TiledWeight:
+        n, k, bits = weight.n, weight.k, weight.fmt.bits
+        u = torch.from_numpy(unpack(weight.data.numpy(), bits, weight.fmt.block, k))  # [n, k]
+        if bits == 8:
+            steps = u.view(n // 16, 16, k // 32, 8, 4).permute(0, 2, 3, 1, 4)
+        else:  # k = 32 c + 16 h + 4 q + j: h = 0 in the low halves, 1 in the high ones
+            halves = u.view(n // 16, 16, k // 32, 2, 4, 4)
+            steps = (halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
+        mins = None if weight.mins is None else cls._grouped(weight.mins)
+        return cls(weight.fmt, steps.reshape(n // 16, -1).contiguous(),
+                   cls._grouped(weight.scales), mins, k, weight.qtype, weight.origin,
+                   weight.per_token)
+
+    @staticmethod
+    def _grouped(values: torch.Tensor) -> torch.Tensor:
+        """[n, blocks] -> [n / 16, blocks, 16]."""
+        return values.view(-1, 16, values.shape[1]).transpose(1, 2).contiguous()
+
+    @property
+    def n(self) -> int:
+        return self.data.shape[0] * 16
+
+    def dequantize(self, dtype: torch.dtype, index: torch.Tensor | slice | None = None
+                   ) -> torch.Tensor:
+        k, bits, block = self.k, self.fmt.bits, self.fmt.block
+        rows = torch.arange(self.n) if index is None else torch.arange(self.n)[index]
+        shape, rows = rows.shape, rows.reshape(-1)
+        group, lane = rows // 16, rows % 16
+        raw = self.data.view(-1, k // 32, 8 if bits == 8 else 4, 16, 4)[group, :, :, lane]
+        if bits == 4:  # [rows, k / 32, 4, 4] -> [rows, k / 32, 2, 4, 4]: the low halves first
+            raw = torch.stack([raw & 0x0F, raw >> 4], dim=2)
+        mins = None if self.mins is None else self.mins[group, :, lane]
+        w = self._weights(raw.reshape(len(rows), k // block, block),
+                          self.scales[group, :, lane], mins)
+        return w.view(*shape, k).to(dtype)
+
+    def kernel_for(self, rows: int, ops: KernelTable | None, dtype: torch.dtype) -> str:
+        """"tiled_int8" (VNNI's dot products) up to AMX_PANELS_MIN_ROWS rows, "tiled_amx"
+        above, where the kernels run (they do wherever this layout is made); else "torch"."""
+        if not self.kernels_run(ops, dtype):
+            return "torch"
+        return "tiled_amx" if rows > AMX_PANELS_MIN_ROWS else "tiled_int8"
+
+    def matmul_into(self, out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
+                    ops: KernelTable | None, kernel: str | None = None,
+                    silu_mul: bool = False) -> None:
+        kernel = kernel or self.kernel_for(x.shape[0], ops, x.dtype)
+        assert not silu_mul or kernel in self.silu_mul_kernels, kernel
+        if kernel == "torch":
+            super().matmul_into(out, x, bias, ops, kernel)
+            return
+        assert ops is not None and kernel in ("tiled_int8", "tiled_amx"), kernel
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        args = (out, x, self.data, self.scales, self.mins, self.fmt.bits, self.fmt.block,
+                self.fmt.zero or 0, bias)
+        if kernel == "tiled_int8":
+            ops.quant_gemm_tiled_int8(*args)
+        else:
+            ops.quant_gemm_tiled_amx(*args, silu_mul)
+
+    def describe(self, ops: KernelTable | None = None, dtype: torch.dtype | None = None
+                 ) -> str:
+        name = f"{self.origin} {self.qtype} kept as {self.fmt.name} in 16-row tiles"
+        if dtype is None or self.kernel_for(1, ops, dtype) == "torch":
+            return name
+        return (f"{name}: cpullm int8 dot products (AVX-512 VNNI) up to {AMX_PANELS_MIN_ROWS} "
+                "rows, above it bf16 AMX tiles of W dequantized 32 rows at a time")
+
+
 @dataclass
 class Shard:
     """One checkpoint tensor's rows of a layer, as loaded: [start, end) of the output, the
@@ -363,7 +465,8 @@ class KeptLinearMethod(LinearMethod):
                 if segment.gemm is not None:
                     segment.dense = None  # the packed copy replaces it
             elif segment.quantized is not None:
-                segment.quantized = segment.quantized.for_kernels(ops)
+                segment.quantized = segment.quantized.for_kernels(
+                    ops, tiles=not getattr(layer, "grouped_expert", False))
                 layer.add_module(f"quantized_{i}", segment.quantized)
         layer.segments = segments
         layer.ops = ops
