@@ -32,7 +32,9 @@
 // so once a step is compute-bound the int8 path, with its unpacking and per-group scaling
 // on top, loses; dequantizing a panel costs about 8 rows of the bf16 GEMM, and from ~20
 // rows on the panels are faster (docs/quantization.md). Where the CPU has AMX, the blocks'
-// dequantized rows are the A operand of the tiles instead (quant_gemm_bf16_amx, below).
+// dequantized rows are the A operand of the tiles instead (quant_gemm_bf16_amx, below), and
+// a model's weights are laid out again in 16-row tiles with kernels of their own
+// (quant_gemm_tiled_*, at the end).
 // Where the CPU has no AVX-512 VNNI, the AVX2 library runs the same int8 dot products on
 // 256-bit halves of the steps, for every number of rows (quant_gemm's AVX2 build, below).
 #include "amx.h"
@@ -1559,35 +1561,32 @@ void dequantize_tiled(const TiledWeight& w, const int64_t* group, int64_t ahead,
   const int64_t chunks = w.k / 32;
   for (int64_t part = part0; part < part1; ++part) {
     const int64_t half = part / chunks, c = part % chunks;
-    const uint8_t* src = w.data + group[half] * w.group_bytes;
-    {
-      __m512 s[2], m[2];  // of k 32c .. + 15 and 32c + 16 .. + 31
-      for (int h = 0; h < 2; ++h) {
-        group_scales<S, MIN>(w, group[half], (32 * c + 16 * h) / BLOCK, s[h], m[h]);
-        m[h] = _mm512_fnmadd_ps(s[h], _mm512_set1_ps(one), m[h]);
-      }
-      const uint8_t* steps = src + c * kSteps * 64;
-      int32_t* out = panel + c * 16 * 32 + 16 * half;  // pair 16c, this half's columns
-      for (int q = 0; q < kSteps; ++q) {
-        _mm_prefetch(reinterpret_cast<const char*>(steps + ahead * w.group_bytes + q * 64),
-                     _MM_HINT_T1);
-        const __m512i u = _mm512_loadu_si512(steps + q * 64);
-        if (BITS == 8) {
-          const int h = q / 4;
-          store(out + 2 * q * 32, _mm512_fmadd_ps(biased_u<15>(u, mask, bits), s[h], m[h]),
-                _mm512_fmadd_ps(biased_u<7>(u, mask, bits), s[h], m[h]));
-          store(out + (2 * q + 1) * 32, _mm512_fmadd_ps(biased_u<-1>(u, mask, bits), s[h], m[h]),
-                _mm512_fmadd_ps(biased_u<-9>(u, mask, bits), s[h], m[h]));
-        } else {
-          store(out + 2 * q * 32, _mm512_fmadd_ps(biased_u<16>(u, mask, bits), s[0], m[0]),
-                _mm512_fmadd_ps(biased_u<8>(u, mask, bits), s[0], m[0]));
-          store(out + (2 * q + 1) * 32, _mm512_fmadd_ps(biased_u<0>(u, mask, bits), s[0], m[0]),
-                _mm512_fmadd_ps(biased_u<-8>(u, mask, bits), s[0], m[0]));
-          store(out + (8 + 2 * q) * 32, _mm512_fmadd_ps(biased_u<12>(u, mask, bits), s[1], m[1]),
-                _mm512_fmadd_ps(biased_u<4>(u, mask, bits), s[1], m[1]));
-          store(out + (9 + 2 * q) * 32, _mm512_fmadd_ps(biased_u<-4>(u, mask, bits), s[1], m[1]),
-                _mm512_fmadd_ps(biased_u<-12>(u, mask, bits), s[1], m[1]));
-        }
+    __m512 s[2], m[2];  // of k 32c .. + 15 and 32c + 16 .. + 31
+    for (int h = 0; h < 2; ++h) {
+      group_scales<S, MIN>(w, group[half], (32 * c + 16 * h) / BLOCK, s[h], m[h]);
+      m[h] = _mm512_fnmadd_ps(s[h], _mm512_set1_ps(one), m[h]);
+    }
+    const uint8_t* steps = w.data + group[half] * w.group_bytes + c * kSteps * 64;
+    int32_t* out = panel + c * 16 * 32 + 16 * half;  // pair 16c, this half's columns
+    for (int q = 0; q < kSteps; ++q) {
+      _mm_prefetch(reinterpret_cast<const char*>(steps + ahead * w.group_bytes + q * 64),
+                   _MM_HINT_T1);
+      const __m512i u = _mm512_loadu_si512(steps + q * 64);
+      if (BITS == 8) {
+        const int h = q / 4;
+        store(out + 2 * q * 32, _mm512_fmadd_ps(biased_u<15>(u, mask, bits), s[h], m[h]),
+              _mm512_fmadd_ps(biased_u<7>(u, mask, bits), s[h], m[h]));
+        store(out + (2 * q + 1) * 32, _mm512_fmadd_ps(biased_u<-1>(u, mask, bits), s[h], m[h]),
+              _mm512_fmadd_ps(biased_u<-9>(u, mask, bits), s[h], m[h]));
+      } else {
+        store(out + 2 * q * 32, _mm512_fmadd_ps(biased_u<16>(u, mask, bits), s[0], m[0]),
+              _mm512_fmadd_ps(biased_u<8>(u, mask, bits), s[0], m[0]));
+        store(out + (2 * q + 1) * 32, _mm512_fmadd_ps(biased_u<0>(u, mask, bits), s[0], m[0]),
+              _mm512_fmadd_ps(biased_u<-8>(u, mask, bits), s[0], m[0]));
+        store(out + (8 + 2 * q) * 32, _mm512_fmadd_ps(biased_u<12>(u, mask, bits), s[1], m[1]),
+              _mm512_fmadd_ps(biased_u<4>(u, mask, bits), s[1], m[1]));
+        store(out + (9 + 2 * q) * 32, _mm512_fmadd_ps(biased_u<-4>(u, mask, bits), s[1], m[1]),
+              _mm512_fmadd_ps(biased_u<-12>(u, mask, bits), s[1], m[1]));
       }
     }
   }
