@@ -171,13 +171,15 @@ def test_kernel_writes_into_a_column_slice():
 
 def tiled_kernels() -> tuple[object, list[str]]:
     """The kernel table, and the kernels on 16-row tiles this machine runs: the int8 dot
-    products wherever the AVX-512 BF16 build runs, the AMX GEMM where the CPU has AMX."""
+    products and the AVX-512 GEMM on dequantized panels wherever the AVX-512 BF16 build
+    runs, the AMX GEMM where the CPU has AMX."""
     from cpullm.model_executor.layers.ops import amx_tiles_usable
 
     ops, _ = quantized_kernels()
     found = []
-    if ops is not None and ops.quant_gemm_tiled_int8 is not None:
-        found.append("tiled_int8")
+    for kernel in ("tiled_int8", "tiled_bf16"):
+        if ops is not None and getattr(ops, f"quant_gemm_{kernel}") is not None:
+            found.append(kernel)
     if ops is not None and ops.quant_gemm_tiled_amx is not None and amx_tiles_usable(ops):
         found.append("tiled_amx")
     return ops, found
@@ -187,10 +189,9 @@ def tiled_kernels() -> tuple[object, list[str]]:
 @pytest.mark.parametrize("qtype", KEPT_TYPES, ids=lambda t: t.name)
 def test_tiled_kernels_match_dequantized_reference(qtype, rows):
     """A weight laid out in 16-row tiles dequantizes to what it was, whole and row by row,
-    and each tile kernel, forced, matches x @ W.T in float32."""
+    and each tile kernel this machine runs, forced, matches x @ W.T in float32 (the
+    dequantizing torch path on any machine)."""
     ops, kernels = tiled_kernels()
-    if not kernels:
-        pytest.skip("the kernels on 16-row tiles need AVX-512 VNNI and BF16")
     rng = np.random.default_rng(2)
     n, k = 96, width(qtype)
     weight = RawBlocks(qtype, random_blocks(qtype, n, k, rng), (n, k)).to_weight()
@@ -212,32 +213,75 @@ def test_tiled_kernels_match_dequantized_reference(qtype, rows):
 
 @pytest.mark.parametrize("rows", [1, 21, 300])
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
-def test_tiled_amx_kernel_stores_silu_mul_and_writes_a_column_slice(qtype, rows):
-    """On 16-row tiles: silu(gate) * up stored with the product is bit for bit the product
-    followed by the SiLU-mul kernel; the product lands in a column slice of a wider output."""
+def test_tiled_kernels_store_silu_mul_and_write_a_column_slice(qtype, rows):
+    """On 16-row tiles, every kernel: silu(gate) * up stored with the product is bit for bit
+    the product followed by the SiLU-mul kernel; the product lands in a column slice of a
+    wider output."""
     from cpullm.model_executor.layers.activation import SiluAndMul
 
     ops, kernels = tiled_kernels()
-    if "tiled_amx" not in kernels:
-        pytest.skip("the AMX GEMM on 16-row tiles needs AMX tiles")
+    if not kernels:
+        pytest.skip("the kernels on 16-row tiles need AVX-512 VNNI and BF16")
     n, k = 96, width(qtype)
     weight = TiledWeight.of(RawBlocks(qtype, random_blocks(
         qtype, n, k, np.random.default_rng(5)), (n, k)).to_weight())
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=gen).bfloat16()
-    for bias in (torch.randn(n, generator=gen).bfloat16(), None):
-        product = torch.empty(rows, n, dtype=torch.bfloat16)
-        weight.matmul_into(product, x, bias, ops, kernel="tiled_amx")
-        fused = torch.empty(rows, n // 2, dtype=torch.bfloat16)
-        weight.matmul_into(fused, x, bias, ops, kernel="tiled_amx", silu_mul=True)
-        assert torch.equal(fused, SiluAndMul(ops)(product)), bias is None
     for kernel in kernels:
+        for bias in (torch.randn(n, generator=gen).bfloat16(), None):
+            product = torch.empty(rows, n, dtype=torch.bfloat16)
+            weight.matmul_into(product, x, bias, ops, kernel=kernel)
+            fused = torch.empty(rows, n // 2, dtype=torch.bfloat16)
+            weight.matmul_into(fused, x, bias, ops, kernel=kernel, silu_mul=True)
+            assert torch.equal(fused, SiluAndMul(ops)(product)), (kernel, bias is None)
         full = torch.full((rows, n + 36), 7.0, dtype=torch.bfloat16)
         weight.matmul_into(full[:, 20:20 + n], x, None, ops, kernel=kernel)
         alone = torch.empty(rows, n, dtype=torch.bfloat16)
         weight.matmul_into(alone, x, None, ops, kernel=kernel)
         assert torch.equal(full[:, 20:20 + n], alone), kernel
         assert bool((full[:, :20] == 7).all() and (full[:, 20 + n:] == 7).all()), kernel
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_tiled_kernel_follows_the_cpu(amx, monkeypatch):
+    """Which tile kernel runs how many rows: the int8 dot products for a few; above them
+    AMX where the CPU has it, the bf16 GEMM on dequantized panels on Zen 5 (whose BF16 dot
+    products outrun its VNNI ones), the int8 dot products for every number of rows on other
+    CPUs (Zen 4)."""
+    from cpullm.model_executor.layers.quantization import kept
+    from cpullm.platform.cpu import CpuInfo
+
+    ops, kernels = tiled_kernels()
+    if "tiled_int8" not in kernels:
+        pytest.skip("the kernels on 16-row tiles need AVX-512 VNNI and BF16")
+    weight = TiledWeight.of(RawBlocks(T.Q4_1, random_blocks(
+        T.Q4_1, 32, 64, np.random.default_rng(1)), (32, 64)).to_weight())
+    monkeypatch.setattr(kept, "amx_tiles_usable", lambda table: amx)
+
+    def kernels_on(family: int) -> list[str]:
+        info = CpuInfo("AuthenticAMD", "AMD EPYC", frozenset(), family)
+        monkeypatch.setattr(kept, "cpu_info", lambda: info)
+        return [weight.kernel_for(rows, ops, torch.bfloat16)
+                for rows in (1, kept.AMX_PANELS_MIN_ROWS + 1, kept.VNNI_MAX_ROWS + 1, 4096)]
+
+    if amx:
+        expected = ["tiled_int8"] + ["tiled_amx"] * 3
+        assert kernels_on(25) == kernels_on(26) == expected
+    else:
+        assert kernels_on(25) == ["tiled_int8"] * 4
+        assert kernels_on(26) == ["tiled_int8"] * 2 + ["tiled_bf16"] * 2
+    assert weight.kernel_for(1, ops, torch.float32) == "torch"
+
+
+def test_cpu_family_is_read():
+    from cpullm.platform.cpu import CpuInfo
+
+    text = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel name\t: AMD EPYC\n" \
+        "flags\t\t: avx512f avx512_bf16\n\nprocessor\t: 1\n"
+    info = CpuInfo.parse(text)
+    assert (info.vendor, info.family, info.bf16_dots_outrun_vnni) == ("AuthenticAMD", 26, True)
+    assert CpuInfo.parse(text.replace(": 26", ": 25")).bf16_dots_outrun_vnni is False
+    assert CpuInfo.parse("Features\t: asimd\nCPU implementer\t: 0x41\n").family == 0
 
 
 # A tiny Llama whose tensors mix the types of a Q4_K_M file: q/k Q4_K and v Q6_K in one

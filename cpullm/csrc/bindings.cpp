@@ -52,6 +52,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemm_tiled_int8", &cpullm::quant_gemm_tiled_int8,
         "x @ w.T with w kept quantized in 16-row tiles, on int8 dot products of x quantized "
         "per block");
+  m.def("quant_gemm_tiled_bf16", &cpullm::quant_gemm_tiled_bf16,
+        "x @ w.T with w kept quantized in 16-row tiles, dequantized into the bf16 GEMM's panels");
   m.def("quant_gemm_tiled_amx", &cpullm::quant_gemm_tiled_amx,
         "x @ w.T with w kept quantized in 16-row tiles, dequantized into AMX tiles' panels "
         "(K a multiple of 32); only where amx_bf16_ready()");

@@ -79,7 +79,10 @@ void quant_gemm_int8_amx(at::Tensor out, at::Tensor x, at::Tensor tiles, at::Ten
 // AMX GEMM's panels (K a multiple of 32; where amx_bf16_ready())
 void quant_gemm_tiled_int8(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                            c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
-                           int64_t zero, c10::optional<at::Tensor> bias);
+                           int64_t zero, c10::optional<at::Tensor> bias, bool silu_mul);
+void quant_gemm_tiled_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
+                           c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
+                           int64_t zero, c10::optional<at::Tensor> bias, bool silu_mul);
 void quant_gemm_tiled_amx(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                           c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
                           int64_t zero, c10::optional<at::Tensor> bias, bool silu_mul);

@@ -32,9 +32,10 @@
 // so once a step is compute-bound the int8 path, with its unpacking and per-group scaling
 // on top, loses; dequantizing a panel costs about 8 rows of the bf16 GEMM, and from ~20
 // rows on the panels are faster (docs/quantization.md). Where the CPU has AMX, the blocks'
-// dequantized rows are the A operand of the tiles instead (quant_gemm_bf16_amx, below), and
-// a model's weights are laid out again in 16-row tiles with kernels of their own
-// (quant_gemm_tiled_*, at the end).
+// dequantized rows are the A operand of the tiles instead (quant_gemm_bf16_amx, below).
+// Wherever these kernels run, a model's weights are laid out again in 16-row tiles after
+// loading, with kernels of their own (quant_gemm_tiled_*, at the end); the layout above stays
+// for a mixture's experts (quant_gemm_grouped) and for shapes the tiles do not take.
 // Where the CPU has no AVX-512 VNNI, the AVX2 library runs the same int8 dot products on
 // 256-bit halves of the steps, for every number of rows (quant_gemm's AVX2 build, below).
 #include "amx.h"
@@ -1495,20 +1496,24 @@ void quant_gemm_int8_amx(at::Tensor out, at::Tensor x, at::Tensor tiles, at::Ten
   });
 }
 
-// ----- the same blocks laid out in 16-row tiles, where the CPU has AMX -----
+// ----- the same blocks laid out in 16-row tiles -----
 //
-// Where the CPU has AMX, a kept weight is laid out again after loading (quantization/
-// kept.py, TiledWeight) with 16 rows of W side by side, one per 32-bit lane: per 16 rows
+// A kept weight is laid out again after loading (quantization/kept.py, TiledWeight) with 16
+// rows of W side by side, one per 32-bit lane: per 16 rows
 // ("a group") and 32 k ("a chunk"), steps of 64 bytes whose lane r holds 4 consecutive k of
 // row r. With 8 bits, 8 steps, step q the k 4q .. 4q + 3; with 4 bits, 4 steps, step q
 // those k in its low halves and 16 + 4q .. 16 + 4q + 3 in its high ones. The scales (and
 // mins) are [groups][blocks][16]. So:
 // - dequantized, a step is rows of the B operand of TDPBF16PS as they lie (pairs of k by 16
-//   columns of W): a group's 16 rows need no transpose, and the dense AMX GEMM runs on the
-//   panels they make (gemm_on_panels_amx), x its A operand where it lies, its products
-//   stored as they come: no tiles of x to lay out, no products to transpose;
+//   columns of W), and half of a row of the dense GEMM's panels: a group's 16 rows need no
+//   transpose, and the dense GEMMs run on the panels they make (gemm_on_panels_amx, x the A
+//   operand where it lies, the products stored as they come: no tiles of x to lay out, no
+//   products to transpose; gemm_on_panels on AVX-512 BF16);
 // - for a few rows of x, a step is the operand of VNNI's dot products of 4 u by 4 q per
-//   lane, x quantized to int8 per block and broadcast 4 k at a time.
+//   lane, x quantized to int8 per block and broadcast 4 k at a time. On CPUs whose BF16 dot
+//   products are no faster than their VNNI ones (Zen 4: a VNNI instruction does twice the
+//   multiply-adds at the same rate) these win at every number of rows.
+// quantization/kept.py (TiledWeight.kernel_for) picks between them by rows and CPU.
 namespace {
 
 struct TiledWeight {
@@ -1621,12 +1626,12 @@ BlockQuantizedX quantize_blocks(const at::Tensor& x, int64_t block) {
   return out;
 }
 
-// Tokens [t0, t0 + T) by G groups from group g0 on (16 G rows of W), as float32 [T][G][16]
+// Tokens [t0, t0 + T) by G groups g0, g0 + apart, ... (16 G rows of W), as float32 [T][G][16]
 // in acc: per block, the integer sums of u q (4 k per lane per instruction, x's 4 broadcast)
 // meet the block's scales once: s dx sum(u q) + m dx sum(q).
 template <int BITS, int BLOCK, typename S, bool MIN, int T, int G>
-void tiled_dots(const TiledWeight& w, int64_t g0, const BlockQuantizedX& xq, int64_t t0,
-                __m512* acc) {
+void tiled_dots(const TiledWeight& w, int64_t g0, int64_t apart, const BlockQuantizedX& xq,
+                int64_t t0, __m512* acc) {
   constexpr int kSteps = BITS == 4 ? 4 : 8;
   const int64_t k = w.k;
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -1641,7 +1646,7 @@ void tiled_dots(const TiledWeight& w, int64_t g0, const BlockQuantizedX& xq, int
       for (int q = 0; q < 4; ++q) {
         __m512i u[G];
         for (int g = 0; g < G; ++g) {
-          const uint8_t* steps = w.data + (g0 + g) * w.group_bytes + c * kSteps * 64;
+          const uint8_t* steps = w.data + (g0 + g * apart) * w.group_bytes + c * kSteps * 64;
           if (BITS == 8) {
             u[g] = _mm512_loadu_si512(steps + (4 * h + q) * 64);
           } else {
@@ -1661,7 +1666,7 @@ void tiled_dots(const TiledWeight& w, int64_t g0, const BlockQuantizedX& xq, int
         const int64_t b = kk / BLOCK - 1;
         for (int g = 0; g < G; ++g) {
           __m512 s, m;
-          group_scales<S, MIN>(w, g0 + g, b, s, m);
+          group_scales<S, MIN>(w, g0 + g * apart, b, s, m);
           for (int t = 0; t < T; ++t) {
             const int64_t at = (t0 + t) * w.blocks + b;
             __m512& a = acc[t * G + g];
@@ -1676,10 +1681,14 @@ void tiled_dots(const TiledWeight& w, int64_t g0, const BlockQuantizedX& xq, int
 }
 
 constexpr int kTiledTokens = 4;  // tokens of x per item of the int8 dot products
+// Rows of x whose int8 copy (k bytes each) a thread's pairs of groups run over before the
+// next such block: W is read from memory once per block, x's block from L2.
+constexpr int64_t kTiledBlockRows = 256;
 
 template <int BITS, int BLOCK, typename S, bool MIN>
 struct TiledDots {
-  using Fn = void (*)(const TiledWeight&, int64_t, const BlockQuantizedX&, int64_t, __m512*);
+  using Fn = void (*)(const TiledWeight&, int64_t, int64_t, const BlockQuantizedX&, int64_t,
+                      __m512*);
   static constexpr Fn entry[kTiledTokens][2] = {
       {&tiled_dots<BITS, BLOCK, S, MIN, 1, 1>, &tiled_dots<BITS, BLOCK, S, MIN, 1, 2>},
       {&tiled_dots<BITS, BLOCK, S, MIN, 2, 1>, &tiled_dots<BITS, BLOCK, S, MIN, 2, 2>},
@@ -1721,33 +1730,73 @@ TiledWeight check_tiled(const at::Tensor& out, const at::Tensor& x, const at::Te
 
 void quant_gemm_tiled_int8(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                            c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
-                           int64_t zero, c10::optional<at::Tensor> bias) {
-  const TiledWeight w = check_tiled(out, x, data, scales, mins, bits, block, zero, bias, false);
+                           int64_t zero, c10::optional<at::Tensor> bias, bool silu_mul) {
+  const TiledWeight w = check_tiled(out, x, data, scales, mins, bits, block, zero, bias, silu_mul);
   const int64_t m = x.size(0), groups = data.size(0);
+  TORCH_CHECK(!silu_mul || groups % 2 == 0,
+              "quant_gemm_tiled_int8: gate and up of 16-row multiples expected");
   if (m == 0) return;
   const auto dots = pick_kept<TiledDots>(bits, block, scales.scalar_type() == at::kHalf,
                                          mins.has_value());
   const BlockQuantizedX xq = quantize_blocks(x, block);
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const int64_t ldo = out.stride(0), pairs = (groups + 1) / 2;
-  const int64_t token_items = (m + kTiledTokens - 1) / kTiledTokens;
-  at::parallel_for(0, pairs * token_items, 1, [&](int64_t begin, int64_t end) {
+  // an item: 4 tokens by a pair of groups, groups g0 and g0 + apart (with silu_mul, 16 rows
+  // of gate and their 16 of up)
+  const int64_t pairs = silu_mul ? groups / 2 : (groups + 1) / 2;
+  const int64_t apart = silu_mul ? groups / 2 : 1;
+  const int64_t quads = (m + kTiledTokens - 1) / kTiledTokens;
+  const int64_t block_quads = std::min<int64_t>(quads, kTiledBlockRows / kTiledTokens);
+  const int64_t ldo = out.stride(0);
+  at::parallel_for(0, pairs * quads, 1, [&](int64_t begin, int64_t end) {
     __m512 acc[kTiledTokens * 2];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t g0 = 2 * (item % pairs), t0 = item / pairs * kTiledTokens;
+      // blocks of block_quads quads of tokens (the last one maybe fewer), each pair of
+      // groups over a block's quads in turn
+      const int64_t tb = item / (pairs * block_quads), local = item % (pairs * block_quads);
+      const int64_t in_block = std::min(block_quads, quads - tb * block_quads);
+      const int64_t pair = local / in_block;
+      const int64_t t0 = (tb * block_quads + local % in_block) * kTiledTokens;
+      const int64_t g0 = silu_mul ? pair : 2 * pair;
       const int tokens = static_cast<int>(std::min<int64_t>(kTiledTokens, m - t0));
-      const int gs = static_cast<int>(std::min<int64_t>(2, groups - g0));
-      dots[tokens - 1][gs - 1](w, g0, xq, t0, acc);
-      for (int t = 0; t < tokens; ++t)
+      const int gs = silu_mul ? 2 : static_cast<int>(std::min<int64_t>(2, groups - g0));
+      dots[tokens - 1][gs - 1](w, g0, apart, xq, t0, acc);
+      for (int t = 0; t < tokens; ++t) {
+        const __m512* sums = acc + t * gs;
+        c10::BFloat16* row = op + (t0 + t) * ldo;
+        if (silu_mul) {
+          const __m512 gate = bp ? _mm512_add_ps(sums[0], bf16x16_load(bp + 16 * g0)) : sums[0];
+          const __m512 up = bp ? _mm512_add_ps(sums[1], bf16x16_load(bp + 16 * (g0 + apart)))
+                               : sums[1];
+          bf16x16_store(row + 16 * pair, silu_mul16(gate, up));
+          continue;
+        }
         for (int g = 0; g < gs; ++g) {
           const int64_t r = 16 * (g0 + g);
-          __m512 v = acc[t * gs + g];
-          if (bp != nullptr) v = _mm512_add_ps(v, bf16x16_load(bp + r));
-          bf16x16_store(op + (t0 + t) * ldo + r, v);
+          bf16x16_store(row + r, bp ? _mm512_add_ps(sums[g], bf16x16_load(bp + r)) : sums[g]);
         }
+      }
     }
   });
+}
+
+// The panels of quant_gemm_tiled_amx (below) on the AVX-512 GEMM's register tiles, for CPUs
+// without AMX.
+void quant_gemm_tiled_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
+                           c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
+                           int64_t zero, c10::optional<at::Tensor> bias, bool silu_mul) {
+  const TiledWeight w = check_tiled(out, x, data, scales, mins, bits, block, zero, bias, silu_mul);
+  const int64_t n = 16 * data.size(0);
+  TORCH_CHECK(n % 32 == 0, "quant_gemm_tiled_bf16: 32-row panels of W (16 of gate and 16 of up "
+              "with silu_mul) expected");
+  if (x.size(0) == 0) return;
+  const auto dequantize = pick_kept<TiledDequantizer>(bits, block, scales.scalar_type() == at::kHalf,
+                                                      mins.has_value());
+  const int64_t parts = 2 * (x.size(1) / 32);
+  gemm_on_panels(out, x, n, panel_bias(bias, n, silu_mul), [&](int64_t p, int32_t* panel) {
+    const int64_t group[2] = {silu_mul ? p : 2 * p, silu_mul ? n / 32 + p : 2 * p + 1};
+    dequantize(w, group, silu_mul ? 1 : 2, panel, 0, parts);
+  }, silu_mul);
 }
 
 void quant_gemm_tiled_amx(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,

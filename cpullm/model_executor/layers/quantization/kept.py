@@ -30,6 +30,7 @@ from cpullm.model_executor.layers.quantization.gguf_blocks import (
     SplitBlocks,
     unpack,
 )
+from cpullm.platform.cpu import cpu_info
 
 if TYPE_CHECKING:
     from cpullm.model_executor.layers.linear import LinearBase
@@ -118,10 +119,11 @@ class QuantizedWeight(nn.Module):
         return s * u.float() + mins.float()[..., None]
 
     def for_kernels(self, ops: KernelTable | None, tiles: bool = True) -> QuantizedWeight:
-        """The weight in the layout the fastest kernel here takes, where the CPU has AMX:
-        per-channel INT8 as AMX-INT8 tiles, the other blocks (unless not ``tiles``: a
-        mixture's experts, which quant_gemm_grouped runs as stored) in 16-row tiles
-        (``TiledWeight``); elsewhere as it is."""
+        """The weight in the layout the fastest kernel here takes: where the CPU has AMX,
+        per-channel INT8 as AMX-INT8 tiles; wherever the AVX-512 VNNI and BF16 kernels run,
+        the other blocks (unless not ``tiles``: a mixture's experts, which
+        quant_gemm_grouped runs as stored) in 16-row tiles (``TiledWeight``); elsewhere as
+        it is."""
         if ops is None:
             return self
         if self.row_scales is not None and ops.quant_gemm_int8_amx is not None \
@@ -289,20 +291,22 @@ class TiledWeight(QuantizedWeight):
     holds 4 consecutive k of row r (8 bits: 8 steps, step q the k 4q .. 4q + 3; 4 bits: 4
     steps, step q those k in its low halves and 16 + 4q .. 16 + 4q + 3 in its high ones);
     ``scales`` and ``mins`` [n / 16, blocks, 16]. Dequantized, a step is rows of an AMX
-    tile's B operand as they lie, so the AMX GEMM needs no transposes of W or of its
-    products; for a few rows of x, VNNI's dot products read the steps as they lie
-    (csrc/quant_gemm.cpp: quant_gemm_tiled_*). Made where the CPU has AMX."""
+    tile's B operand as they lie (and half of a row of the AVX-512 GEMM's panels), so the
+    AMX GEMM needs no transposes of W or of its products; VNNI's dot products read the
+    steps as they lie
+    (csrc/quant_gemm.cpp: quant_gemm_tiled_*). Made wherever those kernels run (AVX-512 VNNI
+    and BF16)."""
 
     runs_grouped = False
-    silu_mul_kernels = ("tiled_amx",)
+    silu_mul_kernels = ("tiled_int8", "tiled_bf16", "tiled_amx")
 
     @staticmethod
     def runs(weight: QuantizedWeight, ops: KernelTable) -> bool:
         """Whether ``weight`` (integer blocks as loaded, not FP8 nor another layout) can be
-        tiled and run here: AMX tiles, K a multiple of the tile depth (32) and N of the 32
-        columns of a panel."""
-        return type(weight) is QuantizedWeight and ops.quant_gemm_tiled_amx is not None \
-            and weight.k % 32 == 0 and weight.n % 32 == 0 and amx_tiles_usable(ops)
+        tiled and run here: the kernels built, K a multiple of the tile depth (32) and N of
+        the 32 columns of a panel."""
+        return type(weight) is QuantizedWeight and ops.quant_gemm_tiled_int8 is not None \
+            and weight.k % 32 == 0 and weight.n % 32 == 0
 
     @classmethod
     def of(cls, weight: QuantizedWeight) -> TiledWeight:
@@ -342,11 +346,20 @@ class TiledWeight(QuantizedWeight):
         return w.view(*shape, k).to(dtype)
 
     def kernel_for(self, rows: int, ops: KernelTable | None, dtype: torch.dtype) -> str:
-        """"tiled_int8" (VNNI's dot products) up to AMX_PANELS_MIN_ROWS rows, "tiled_amx"
-        above, where the kernels run (they do wherever this layout is made); else "torch"."""
+        """"tiled_int8" (VNNI's dot products) for a few rows; above them, where the CPU has
+        AMX (more than AMX_PANELS_MIN_ROWS rows) "tiled_amx", where its BF16 dot products
+        outrun its VNNI ones (more than VNNI_MAX_ROWS) "tiled_bf16" (the AVX-512 GEMM on
+        panels dequantized 32 rows at a time), elsewhere "tiled_int8" for every number of
+        rows (measured on Zen 4: docs/quantization.md); "torch" where the kernels do not
+        run."""
         if not self.kernels_run(ops, dtype):
             return "torch"
-        return "tiled_amx" if rows > AMX_PANELS_MIN_ROWS else "tiled_int8"
+        assert ops is not None
+        if ops.quant_gemm_tiled_amx is not None and amx_tiles_usable(ops):
+            return "tiled_amx" if rows > AMX_PANELS_MIN_ROWS else "tiled_int8"
+        if rows > VNNI_MAX_ROWS and cpu_info().bf16_dots_outrun_vnni:
+            return "tiled_bf16"
+        return "tiled_int8"
 
     def matmul_into(self, out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
                     ops: KernelTable | None, kernel: str | None = None,
@@ -356,23 +369,28 @@ class TiledWeight(QuantizedWeight):
         if kernel == "torch":
             super().matmul_into(out, x, bias, ops, kernel)
             return
-        assert ops is not None and kernel in ("tiled_int8", "tiled_amx"), kernel
+        assert ops is not None and kernel in self.silu_mul_kernels, kernel
         if x.stride(-1) != 1:
             x = x.contiguous()
-        args = (out, x, self.data, self.scales, self.mins, self.fmt.bits, self.fmt.block,
-                self.fmt.zero or 0, bias)
-        if kernel == "tiled_int8":
-            ops.quant_gemm_tiled_int8(*args)
-        else:
-            ops.quant_gemm_tiled_amx(*args, silu_mul)
+        run = {"tiled_int8": ops.quant_gemm_tiled_int8, "tiled_bf16": ops.quant_gemm_tiled_bf16,
+               "tiled_amx": ops.quant_gemm_tiled_amx}[kernel]
+        run(out, x, self.data, self.scales, self.mins, self.fmt.bits, self.fmt.block,
+            self.fmt.zero or 0, bias, silu_mul)
 
     def describe(self, ops: KernelTable | None = None, dtype: torch.dtype | None = None
                  ) -> str:
         name = f"{self.origin} {self.qtype} kept as {self.fmt.name} in 16-row tiles"
         if dtype is None or self.kernel_for(1, ops, dtype) == "torch":
             return name
-        return (f"{name}: cpullm int8 dot products (AVX-512 VNNI) up to {AMX_PANELS_MIN_ROWS} "
-                "rows, above it bf16 AMX tiles of W dequantized 32 rows at a time")
+        few = "cpullm int8 dot products (AVX-512 VNNI)"
+        many = self.kernel_for(1 << 20, ops, dtype)
+        if many == "tiled_int8":
+            return f"{name}: {few}, every number of rows"
+        if many == "tiled_amx":
+            return (f"{name}: {few} up to {AMX_PANELS_MIN_ROWS} rows, above it bf16 AMX tiles "
+                    "of W dequantized 32 rows at a time")
+        return (f"{name}: {few} up to {VNNI_MAX_ROWS} rows, above it the AVX-512 bf16 GEMM on "
+                "W dequantized 32 rows at a time")
 
 
 @dataclass
