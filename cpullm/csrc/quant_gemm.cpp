@@ -1626,20 +1626,27 @@ BlockQuantizedX quantize_blocks(const at::Tensor& x, int64_t block) {
   return out;
 }
 
+constexpr int64_t kTiledAhead = 4096;  // bytes of a group prefetched ahead (tiled_dots)
+
 // Tokens [t0, t0 + T) by G groups g0, g0 + apart, ... (16 G rows of W), as float32 [T][G][16]
 // in acc: per block, the integer sums of u q (4 k per lane per instruction, x's 4 broadcast)
-// meet the block's scales once: s dx sum(u q) + m dx sum(q).
-template <int BITS, int BLOCK, typename S, bool MIN, int T, int G>
+// meet the block's scales once: s dx sum(u q) + m dx sum(q). PREFETCH: each step's bytes
+// kTiledAhead on are brought into L1 (where W streams from memory past a few rows of x: the
+// hardware's prefetch does not cross the 4 KiB pages of a group's bytes).
+template <int BITS, int BLOCK, typename S, bool MIN, int T, int G, bool PREFETCH>
 void tiled_dots(const TiledWeight& w, int64_t g0, int64_t apart, const BlockQuantizedX& xq,
                 int64_t t0, __m512* acc) {
   constexpr int kSteps = BITS == 4 ? 4 : 8;
   const int64_t k = w.k;
   const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512i sums[T][G];
+  // chains of integer sums per token and group: at least 8 in all where there are fewer
+  // tokens and groups than that, so that VPDPBUSD's latency is covered
+  constexpr int C = T * G >= 8 ? 1 : T * G >= 4 ? 2 : 4;
+  __m512i sums[T][G][C];
   for (int t = 0; t < T; ++t)
     for (int g = 0; g < G; ++g) {
       acc[t * G + g] = _mm512_setzero_ps();
-      sums[t][g] = _mm512_setzero_si512();
+      for (int i = 0; i < C; ++i) sums[t][g][i] = _mm512_setzero_si512();
     }
   for (int64_t c = 0; c < k / 32; ++c)
     for (int h = 0; h < 2; ++h) {  // k 32c + 16h .. + 15
@@ -1647,6 +1654,10 @@ void tiled_dots(const TiledWeight& w, int64_t g0, int64_t apart, const BlockQuan
         __m512i u[G];
         for (int g = 0; g < G; ++g) {
           const uint8_t* steps = w.data + (g0 + g * apart) * w.group_bytes + c * kSteps * 64;
+          if (PREFETCH && (h == 0 || BITS == 8))  // the group's bytes kTiledAhead on
+            _mm_prefetch(reinterpret_cast<const char*>(steps + kTiledAhead +
+                                                       (BITS == 8 ? 4 * h + q : q) * 64),
+                         _MM_HINT_T0);
           if (BITS == 8) {
             u[g] = _mm512_loadu_si512(steps + (4 * h + q) * 64);
           } else {
@@ -1658,7 +1669,8 @@ void tiled_dots(const TiledWeight& w, int64_t g0, int64_t apart, const BlockQuan
           int32_t quad;
           std::memcpy(&quad, xq.q.data() + (t0 + t) * k + 32 * c + 16 * h + 4 * q, 4);
           const __m512i xs = _mm512_set1_epi32(quad);
-          for (int g = 0; g < G; ++g) sums[t][g] = _mm512_dpbusd_epi32(sums[t][g], u[g], xs);
+          for (int g = 0; g < G; ++g)
+            sums[t][g][q % C] = _mm512_dpbusd_epi32(sums[t][g][q % C], u[g], xs);
         }
       }
       const int64_t kk = 32 * c + 16 * h + 16;  // k done
@@ -1670,10 +1682,12 @@ void tiled_dots(const TiledWeight& w, int64_t g0, int64_t apart, const BlockQuan
           for (int t = 0; t < T; ++t) {
             const int64_t at = (t0 + t) * w.blocks + b;
             __m512& a = acc[t * G + g];
-            a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t][g]),
+            for (int i = 1; i < C; ++i)
+              sums[t][g][0] = _mm512_add_epi32(sums[t][g][0], sums[t][g][i]);
+            a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t][g][0]),
                                 _mm512_mul_ps(s, _mm512_set1_ps(xq.scale[at])), a);
             a = _mm512_fmadd_ps(m, _mm512_set1_ps(xq.sum[at]), a);
-            sums[t][g] = _mm512_setzero_si512();
+            for (int i = 0; i < C; ++i) sums[t][g][i] = _mm512_setzero_si512();
           }
         }
       }
@@ -1689,11 +1703,21 @@ template <int BITS, int BLOCK, typename S, bool MIN>
 struct TiledDots {
   using Fn = void (*)(const TiledWeight&, int64_t, int64_t, const BlockQuantizedX&, int64_t,
                       __m512*);
-  static constexpr Fn entry[kTiledTokens][2] = {
-      {&tiled_dots<BITS, BLOCK, S, MIN, 1, 1>, &tiled_dots<BITS, BLOCK, S, MIN, 1, 2>},
-      {&tiled_dots<BITS, BLOCK, S, MIN, 2, 1>, &tiled_dots<BITS, BLOCK, S, MIN, 2, 2>},
-      {&tiled_dots<BITS, BLOCK, S, MIN, 3, 1>, &tiled_dots<BITS, BLOCK, S, MIN, 3, 2>},
-      {&tiled_dots<BITS, BLOCK, S, MIN, 4, 1>, &tiled_dots<BITS, BLOCK, S, MIN, 4, 2>}};
+  template <bool P>
+  static constexpr Fn one(int t, int g) {
+    constexpr Fn table[kTiledTokens][2] = {
+        {&tiled_dots<BITS, BLOCK, S, MIN, 1, 1, P>, &tiled_dots<BITS, BLOCK, S, MIN, 1, 2, P>},
+        {&tiled_dots<BITS, BLOCK, S, MIN, 2, 1, P>, &tiled_dots<BITS, BLOCK, S, MIN, 2, 2, P>},
+        {&tiled_dots<BITS, BLOCK, S, MIN, 3, 1, P>, &tiled_dots<BITS, BLOCK, S, MIN, 3, 2, P>},
+        {&tiled_dots<BITS, BLOCK, S, MIN, 4, 1, P>, &tiled_dots<BITS, BLOCK, S, MIN, 4, 2, P>}};
+    return table[t][g];
+  }
+  // [PREFETCH][tokens - 1][groups - 1]
+  static constexpr Fn entry[2][kTiledTokens][2] = {
+      {{one<false>(0, 0), one<false>(0, 1)}, {one<false>(1, 0), one<false>(1, 1)},
+       {one<false>(2, 0), one<false>(2, 1)}, {one<false>(3, 0), one<false>(3, 1)}},
+      {{one<true>(0, 0), one<true>(0, 1)}, {one<true>(1, 0), one<true>(1, 1)},
+       {one<true>(2, 0), one<true>(2, 1)}, {one<true>(3, 0), one<true>(3, 1)}}};
 };
 
 TiledWeight check_tiled(const at::Tensor& out, const at::Tensor& x, const at::Tensor& data,
@@ -1741,26 +1765,29 @@ void quant_gemm_tiled_int8(at::Tensor out, at::Tensor x, at::Tensor data, at::Te
   const BlockQuantizedX xq = quantize_blocks(x, block);
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  // an item: 4 tokens by a pair of groups, groups g0 and g0 + apart (with silu_mul, 16 rows
-  // of gate and their 16 of up)
-  const int64_t pairs = silu_mul ? groups / 2 : (groups + 1) / 2;
+  // an item: 4 tokens by a set of two groups, g0 and g0 + apart (with silu_mul, 16 rows of
+  // gate and their 16 of up); for one token, of one group (one stream of W an item, which
+  // keeps up with memory better than two)
+  const int64_t per = !silu_mul && m == 1 ? 1 : 2;
+  const int64_t sets = silu_mul ? groups / 2 : (groups + per - 1) / per;
   const int64_t apart = silu_mul ? groups / 2 : 1;
   const int64_t quads = (m + kTiledTokens - 1) / kTiledTokens;
   const int64_t block_quads = std::min<int64_t>(quads, kTiledBlockRows / kTiledTokens);
   const int64_t ldo = out.stride(0);
-  at::parallel_for(0, pairs * quads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, sets * quads, 1, [&](int64_t begin, int64_t end) {
     __m512 acc[kTiledTokens * 2];
     for (int64_t item = begin; item < end; ++item) {
-      // blocks of block_quads quads of tokens (the last one maybe fewer), each pair of
+      // blocks of block_quads quads of tokens (the last one maybe fewer), each set of
       // groups over a block's quads in turn
-      const int64_t tb = item / (pairs * block_quads), local = item % (pairs * block_quads);
+      const int64_t tb = item / (sets * block_quads), local = item % (sets * block_quads);
       const int64_t in_block = std::min(block_quads, quads - tb * block_quads);
-      const int64_t pair = local / in_block;
+      const int64_t set = local / in_block;
       const int64_t t0 = (tb * block_quads + local % in_block) * kTiledTokens;
-      const int64_t g0 = silu_mul ? pair : 2 * pair;
+      const int64_t g0 = silu_mul ? set : per * set;
       const int tokens = static_cast<int>(std::min<int64_t>(kTiledTokens, m - t0));
-      const int gs = silu_mul ? 2 : static_cast<int>(std::min<int64_t>(2, groups - g0));
-      dots[tokens - 1][gs - 1](w, g0, apart, xq, t0, acc);
+      const int gs = silu_mul ? 2 : static_cast<int>(std::min<int64_t>(per, groups - g0));
+      // up to 4 tokens, W read once as it streams from memory: prefetched
+      dots[quads == 1][tokens - 1][gs - 1](w, g0, apart, xq, t0, acc);
       for (int t = 0; t < tokens; ++t) {
         const __m512* sums = acc + t * gs;
         c10::BFloat16* row = op + (t0 + t) * ldo;
@@ -1768,7 +1795,7 @@ void quant_gemm_tiled_int8(at::Tensor out, at::Tensor x, at::Tensor data, at::Te
           const __m512 gate = bp ? _mm512_add_ps(sums[0], bf16x16_load(bp + 16 * g0)) : sums[0];
           const __m512 up = bp ? _mm512_add_ps(sums[1], bf16x16_load(bp + 16 * (g0 + apart)))
                                : sums[1];
-          bf16x16_store(row + 16 * pair, silu_mul16(gate, up));
+          bf16x16_store(row + 16 * set, silu_mul16(gate, up));
           continue;
         }
         for (int g = 0; g < gs; ++g) {
