@@ -1807,41 +1807,54 @@ void quant_gemm_tiled_int8(at::Tensor out, at::Tensor x, at::Tensor data, at::Te
   });
 }
 
+namespace {
+
+// quant_gemm_tiled_bf16 and quant_gemm_tiled_amx: panels of two groups (16 rows of gate and
+// their 16 of up with silu_mul) dequantized in parts, on AMX tiles (the next panel's parts
+// between the current one's tile products) or on the AVX-512 GEMM's register tiles (a
+// whole panel before its products).
+void tiled_panels(const char* name, at::Tensor& out, const at::Tensor& x, const at::Tensor& data,
+                  const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t bits,
+                  int64_t block, int64_t zero, const c10::optional<at::Tensor>& bias,
+                  bool silu_mul, bool amx) {
+  const TiledWeight w = check_tiled(out, x, data, scales, mins, bits, block, zero, bias, silu_mul);
+  const int64_t n = 16 * data.size(0), parts = 2 * (x.size(1) / 32);
+  TORCH_CHECK(n % 32 == 0, name, ": 32-row panels of W (16 of gate and 16 of up with silu_mul) "
+              "expected");
+  if (x.size(0) == 0) return;
+  const auto dequantize = pick_kept<TiledDequantizer>(bits, block, scales.scalar_type() == at::kHalf,
+                                                      mins.has_value());
+  const PanelParts panel_parts = [&](int64_t p, int32_t* panel, int64_t part0, int64_t part1) {
+    const int64_t group[2] = {silu_mul ? p : 2 * p, silu_mul ? n / 32 + p : 2 * p + 1};
+    dequantize(w, group, silu_mul ? 1 : 2, panel, part0, part1);
+  };
+  const c10::optional<at::Tensor> biases = panel_bias(bias, n, silu_mul);
+  if (amx) {
+    gemm_on_panels_amx(out, x, n, biases, panel_parts, parts, silu_mul);
+  } else {
+    gemm_on_panels(out, x, n, biases, [&](int64_t p, int32_t* panel) {
+      panel_parts(p, panel, 0, parts);
+    }, silu_mul);
+  }
+}
+
+}  // namespace
+
 // The panels of quant_gemm_tiled_amx (below) on the AVX-512 GEMM's register tiles, for CPUs
 // without AMX.
 void quant_gemm_tiled_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                            c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
                            int64_t zero, c10::optional<at::Tensor> bias, bool silu_mul) {
-  const TiledWeight w = check_tiled(out, x, data, scales, mins, bits, block, zero, bias, silu_mul);
-  const int64_t n = 16 * data.size(0);
-  TORCH_CHECK(n % 32 == 0, "quant_gemm_tiled_bf16: 32-row panels of W (16 of gate and 16 of up "
-              "with silu_mul) expected");
-  if (x.size(0) == 0) return;
-  const auto dequantize = pick_kept<TiledDequantizer>(bits, block, scales.scalar_type() == at::kHalf,
-                                                      mins.has_value());
-  const int64_t parts = 2 * (x.size(1) / 32);
-  gemm_on_panels(out, x, n, panel_bias(bias, n, silu_mul), [&](int64_t p, int32_t* panel) {
-    const int64_t group[2] = {silu_mul ? p : 2 * p, silu_mul ? n / 32 + p : 2 * p + 1};
-    dequantize(w, group, silu_mul ? 1 : 2, panel, 0, parts);
-  }, silu_mul);
+  tiled_panels("quant_gemm_tiled_bf16", out, x, data, scales, mins, bits, block, zero, bias,
+               silu_mul, false);
 }
 
 void quant_gemm_tiled_amx(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                           c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
                           int64_t zero, c10::optional<at::Tensor> bias, bool silu_mul) {
   TORCH_CHECK(amx_permitted(), "quant_gemm_tiled_amx: the OS gives this process no AMX tiles");
-  const TiledWeight w = check_tiled(out, x, data, scales, mins, bits, block, zero, bias, silu_mul);
-  const int64_t n = 16 * data.size(0);
-  TORCH_CHECK(n % 32 == 0, "quant_gemm_tiled_amx: 32-row panels of W (16 of gate and 16 of up "
-              "with silu_mul) expected");
-  if (x.size(0) == 0) return;
-  const auto dequantize = pick_kept<TiledDequantizer>(bits, block, scales.scalar_type() == at::kHalf,
-                                                      mins.has_value());
-  gemm_on_panels_amx(out, x, n, panel_bias(bias, n, silu_mul),
-                     [&](int64_t p, int32_t* panel, int64_t part0, int64_t part1) {
-    const int64_t group[2] = {silu_mul ? p : 2 * p, silu_mul ? n / 32 + p : 2 * p + 1};
-    dequantize(w, group, silu_mul ? 1 : 2, panel, part0, part1);
-  }, 2 * (x.size(1) / 32), silu_mul);
+  tiled_panels("quant_gemm_tiled_amx", out, x, data, scales, mins, bits, block, zero, bias,
+               silu_mul, true);
 }
 #endif
 
