@@ -75,8 +75,8 @@ void quant_gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor data, at::Tens
 void quant_gemm_int8_amx(at::Tensor out, at::Tensor x, at::Tensor tiles, at::Tensor row_scales,
                          c10::optional<at::Tensor> bias, bool silu_mul);
 // the same blocks laid out in 16-row tiles (data [n / 16, k * 2 bits], scales and mins
-// [n / 16, blocks, 16]): int8 dot products for a few rows of x, and dequantized into the
-// AMX GEMM's panels (K a multiple of 32; where amx_bf16_ready())
+// [n / 16, blocks, 16], K a multiple of 32): int8 dot products of x quantized per block, and
+// dequantized into the AVX-512 GEMM's panels or the AMX GEMM's (where amx_bf16_ready())
 void quant_gemm_tiled_int8(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                            c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
                            int64_t zero, c10::optional<at::Tensor> bias, bool silu_mul);

@@ -1695,7 +1695,7 @@ void tiled_dots(const TiledWeight& w, int64_t g0, int64_t apart, const BlockQuan
 }
 
 constexpr int kTiledTokens = 4;  // tokens of x per item of the int8 dot products
-// Rows of x whose int8 copy (k bytes each) a thread's pairs of groups run over before the
+// Rows of x whose int8 copy (k bytes each) a thread's sets of groups run over before the
 // next such block: W is read from memory once per block, x's block from L2.
 constexpr int64_t kTiledBlockRows = 256;
 

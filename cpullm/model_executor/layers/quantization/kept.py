@@ -293,9 +293,8 @@ class TiledWeight(QuantizedWeight):
     ``scales`` and ``mins`` [n / 16, blocks, 16]. Dequantized, a step is rows of an AMX
     tile's B operand as they lie (and half of a row of the AVX-512 GEMM's panels), so the
     AMX GEMM needs no transposes of W or of its products; VNNI's dot products read the
-    steps as they lie
-    (csrc/quant_gemm.cpp: quant_gemm_tiled_*). Made wherever those kernels run (AVX-512 VNNI
-    and BF16)."""
+    steps as they lie (csrc/quant_gemm.cpp: quant_gemm_tiled_*). Made wherever those
+    kernels run (AVX-512 VNNI and BF16)."""
 
     runs_grouped = False
     silu_mul_kernels = ("tiled_int8", "tiled_bf16", "tiled_amx")
