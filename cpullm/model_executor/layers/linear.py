@@ -19,6 +19,7 @@ layers split the same way as dense ones.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -124,6 +125,15 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
 
+    def step_fn(self, dtype: torch.dtype
+                ) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+        """``self(x)`` as one function of a 2-D contiguous x of ``dtype``, and the most
+        rows it holds for (``LinearMethod.step_fn``); None where there is none, or where a
+        subclass's forward does more than the product."""
+        if type(self).forward is not LinearBase.forward:
+            return None
+        return self.method.step_fn(self, dtype)
+
 
 class ReplicatedLinear(LinearBase):
     """A plain linear layer, whole on every rank."""
@@ -157,6 +167,14 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.method.apply(self, x)
         return distributed.tp_all_reduce(out) if self.reduce else out
+
+    def step_fn(self, dtype: torch.dtype
+                ) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+        """As LinearBase's, where there are no ranks' partial products to sum."""
+        if type(self).forward is not RowParallelLinear.forward or (self.reduce
+                                                                    and self.tp_size > 1):
+            return None
+        return self.method.step_fn(self, dtype)
 
 
 class MergedColumnLinear(LinearBase):

@@ -52,12 +52,43 @@ def run_layers(layers: nn.ModuleList, positions: torch.Tensor, hidden: torch.Ten
                residual: torch.Tensor | None, kv_caches: list[torch.Tensor],
                meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """This stage's decoder layers over (hidden, residual); ``kv_caches``: one per layer
-    of the stage."""
+    of the stage. A decode-only step runs the layers' decode steps where every layer has
+    one (``LlamaDecoderLayer.decode_step``)."""
     held = stage_layers(len(layers))
-    for index, kv_cache in zip(held, kv_caches, strict=True):
-        hidden, residual = layers[index](positions, hidden, residual, kv_cache, meta)
+    steps = _decode_steps(layers, held, hidden, residual, kv_caches, meta)
+    if steps is not None:
+        for step, kv_cache in zip(steps, kv_caches, strict=True):
+            hidden, residual = step(positions, hidden, residual, kv_cache, meta)
+    else:
+        for index, kv_cache in zip(held, kv_caches, strict=True):
+            hidden, residual = layers[index](positions, hidden, residual, kv_cache, meta)
     assert residual is not None
     return hidden, residual
+
+
+def _decode_steps(layers: nn.ModuleList, held: range, hidden: torch.Tensor,
+                  residual: torch.Tensor | None, kv_caches: list[torch.Tensor], meta: Any
+                  ) -> list[Callable[..., tuple[torch.Tensor, torch.Tensor]]] | None:
+    """The held layers' decode steps, where this step is one they hold for: every token a
+    sequence's next, in bfloat16, the tensors as the steps take them. Made at the first
+    decode step and kept on ``layers``."""
+    rows = hidden.shape[0]
+    if (getattr(meta, "num_decode_tokens", None) != rows or hidden.dtype != torch.bfloat16
+            or not hidden.is_contiguous()
+            or (residual is not None and not residual.is_contiguous())
+            or any(slots.dtype != torch.long or not slots.is_contiguous()
+                   for slots in meta.slot_mapping)
+            or any(cache.dtype != torch.bfloat16 or not cache.is_contiguous()
+                   for cache in kv_caches)):
+        return None
+    plan = layers.__dict__.get("decode_plan")
+    if plan is None:
+        made = [getattr(layers[index], "decode_step", lambda: None)() for index in held]
+        plan = (([step for step, _ in made], min(limit for _, limit in made))
+                if made and all(m is not None for m in made) else ([], 0))
+        layers.decode_plan = plan
+    steps, limit = plan
+    return steps if rows <= limit else None
 
 
 class StagedDecoder(nn.Module):

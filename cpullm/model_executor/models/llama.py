@@ -33,6 +33,11 @@ from cpullm.model_executor.layers.stage import (
 )
 from cpullm.model_executor.loader.weights import load_named_weights
 
+# a decoder layer's decode step: (positions, hidden, residual, kv_cache, meta) -> (hidden,
+# residual), as LlamaDecoderLayer.forward
+DecodeStep = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", torch.Tensor,
+                       AttentionMetadata], tuple[torch.Tensor, torch.Tensor]]
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
@@ -144,6 +149,77 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.scale_output(self.self_attn(positions, hidden, kv_cache, meta))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.scale_output(self.mlp(hidden)), residual
+
+    def decode_step(self) -> tuple[DecodeStep, int] | None:
+        """This layer as one function of a decode-only step in bfloat16 (every token a
+        sequence's next; hidden, residual and the KV caches contiguous, the slots int64),
+        and the most tokens it holds for: forward's kernels called in forward's order with
+        forward's arguments, without the module calls and checks between them (a single
+        stream spends about as long in those as in its kernels; the q/k norms, a reorder of
+        q and k, a residual multiplier as forward has them). None where forward does more:
+        a family's own layer, experts, tensor parallelism, no compiled kernels."""
+        attention, mlp, attn = self.self_attn, self.mlp, self.self_attn.attn
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        if (type(self).forward is not LlamaDecoderLayer.forward
+                or type(attention).forward is not LlamaAttention.forward
+                or type(mlp).forward is not LlamaMLP.forward
+                or type(attn).forward is not PagedAttention.forward
+                or type(attention.rotary).forward is not RotaryEmbedding.forward
+                or any(type(norm).forward is not RMSNorm.forward or norm.kernel is None
+                       or norm.weight.dtype != torch.bfloat16 for norm in norms)
+                or attention.rotary.ops is None
+                or attn.decode_attention is None or attn.ops is None):
+            return None
+        products = [linear.step_fn(torch.bfloat16) for linear in (
+            attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(product is None for product in products):
+            return None
+        (qkv, _), (o_proj, _), (gate_up, _), (down, _) = products
+        norm_in, norm_post = (norm.kernel for norm in norms)
+        weight_in, weight_post = (norm.weight for norm in norms)
+        eps_in, eps_post = (norm.eps for norm in norms)
+        q_size, sizes = attention.q_size, [attention.q_size, attention.kv_size, attention.kv_size]
+        heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+        flat = (-1, kv_heads, head_dim)
+        rotate, cos, sin = attention.rotary.ops.rotary_embedding, attention.rotary.cos, \
+            attention.rotary.sin
+        cache_kv, decode = attn.ops.cache_kv, attn.decode_attention
+        scale, softcap, window, sinks = attn.scale, attn.softcap, attn.window, attention.sinks
+        qk_norm, order = attention.qk_norm, attention.qk_order
+        multiplier = self.residual_multiplier
+
+        def step(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                 kv_cache: torch.Tensor, meta: AttentionMetadata
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+            if residual is None:
+                x, residual = torch.empty_like(hidden), hidden
+                norm_in(x, hidden, None, weight_in, eps_in)
+            else:
+                x = hidden
+                norm_in(x, x, residual, weight_in, eps_in)
+            q, k, v = qkv(x).split(sizes, dim=-1)
+            q, k = q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim)
+            if qk_norm:
+                q, k = attention.q_norm(q), attention.k_norm(k)
+            if order is not None:
+                q, k = q[..., order], k[..., order]
+            rotate(positions, q, k, cos, sin)
+            key_cache, value_cache = kv_cache[0], kv_cache[1]
+            group = attn.kv_group
+            cache_kv(key_cache.view(flat), value_cache.view(flat), k,
+                     v.view(-1, kv_heads, head_dim), meta.slot_mapping[group])
+            out = torch.empty_like(q)
+            decode(out, q, key_cache, value_cache, meta.decode_block_tables[group],
+                   meta.decode_seq_lens, scale, meta.sliding_window if window is None else window,
+                   softcap, sinks)
+            hidden = o_proj(out.view(-1, q_size))
+            if multiplier != 1.0:
+                hidden = hidden * multiplier
+            norm_post(hidden, hidden, residual, weight_post, eps_post)
+            hidden = down(gate_up(hidden))
+            return (hidden if multiplier == 1.0 else hidden * multiplier), residual
+
+        return step, min(limit for _, limit in products)
 
     @staticmethod
     def make_mlp(config: Any, index: int, dtype: torch.dtype, ops: KernelTable | None,

@@ -12,6 +12,7 @@ tensor-parallel linears plug in here, without touching the model files.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,6 +42,13 @@ class LinearMethod(ABC):
     @abstractmethod
     def describe(self, layer: LinearBase) -> str:
         """Which kernel runs this layer, for the debug log."""
+
+    def step_fn(self, layer: LinearBase, dtype: torch.dtype
+                ) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+        """``apply`` for a 2-D contiguous x of ``dtype`` as one function of x with the
+        choices that do not depend on x made once, and the most rows of x it holds for; None
+        where the method has no such function (a decode step then calls ``apply``)."""
+        return None
 
     @staticmethod
     def create_bias(layer: LinearBase, bias: bool, dtype: torch.dtype | None) -> None:

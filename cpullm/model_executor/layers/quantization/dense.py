@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,6 +51,11 @@ class DenseLinearMethod(LinearMethod):
             return layer.gemm(x)
         out = F.linear(x, layer.weight, layer.bias)
         return layer.act(out) if layer.act is not None else out
+
+    def step_fn(self, layer: LinearBase, dtype: torch.dtype
+                ) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+        """The packed weight itself (it picks its kernel by rows at each call)."""
+        return (layer.gemm, 1 << 30) if layer.gemm is not None else None
 
     def describe(self, layer: LinearBase) -> str:
         if layer.gemm is not None:

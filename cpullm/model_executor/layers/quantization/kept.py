@@ -14,6 +14,7 @@ segment into its columns of the output. Where the quantized kernels do not run (
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,8 @@ VNNI_MAX_ROWS = 20
 # Where the CPU has AMX tiles, the blocks dequantized 32 rows at a time run on them above
 # this many rows (the crossover of the 135M default model's layers, Q4_1, Q8_0 and Q4_K).
 AMX_PANELS_MIN_ROWS = 12
+# The most rows a decode step's function of a kept layer (step_fn) is made for.
+_STEP_ROWS = 512
 
 
 class QuantizedWeight(nn.Module):
@@ -333,7 +336,10 @@ class TiledWeight(QuantizedWeight):
     def dequantize(self, dtype: torch.dtype, index: torch.Tensor | slice | None = None
                    ) -> torch.Tensor:
         k, bits, block = self.k, self.fmt.bits, self.fmt.block
-        rows = torch.arange(self.n) if index is None else torch.arange(self.n)[index]
+        if isinstance(index, torch.Tensor):  # token ids: no table of every row to index
+            rows = index.long()
+        else:
+            rows = torch.arange(self.n) if index is None else torch.arange(self.n)[index]
         shape, rows = rows.shape, rows.reshape(-1)
         group, lane = rows // 16, rows % 16
         raw = self.data.view(-1, k // 32, 8 if bits == 8 else 4, 16, 4)[group, :, :, lane]
@@ -371,8 +377,7 @@ class TiledWeight(QuantizedWeight):
         assert ops is not None and kernel in self.silu_mul_kernels, kernel
         if x.stride(-1) != 1:
             x = x.contiguous()
-        run = {"tiled_int8": ops.quant_gemm_tiled_int8, "tiled_bf16": ops.quant_gemm_tiled_bf16,
-               "tiled_amx": ops.quant_gemm_tiled_amx}[kernel]
+        run = getattr(ops, "quant_gemm_" + kernel)
         run(out, x, self.data, self.scales, self.mins, self.fmt.bits, self.fmt.block,
             self.fmt.zero or 0, bias, silu_mul)
 
@@ -533,6 +538,37 @@ class KeptLinearMethod(LinearMethod):
                 target.copy_(F.linear(rows, segment.dense, seg_bias))
         out = out.view(*x.shape[:-1], layer.output_size)
         return layer.act(out) if layer.act is not None else out
+
+    def step_fn(self, layer: LinearBase, dtype: torch.dtype
+                ) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+        """A layer of one kept weight (no act order): the kernel ``apply`` picks for one row,
+        with the arguments it passes, for as many rows as that kernel stays the pick."""
+        segments = layer.segments
+        if len(segments) != 1 or segments[0].quantized is None or segments[0].perm is not None:
+            return None
+        whole, ops, bias = segments[0].quantized, layer.ops, layer.bias
+        kernel, silu_mul = whole.kernel_for(1, ops, dtype), layer.act is not None
+        if silu_mul and not whole.fuses_silu_mul(kernel):
+            return None
+        limit = 1
+        while limit < _STEP_ROWS and whole.kernel_for(limit + 1, ops, dtype) == kernel:
+            limit += 1
+        size = layer.output_size // 2 if silu_mul else layer.output_size
+        if isinstance(whole, TiledWeight) and kernel != "torch":
+            run = getattr(ops, "quant_gemm_" + kernel)
+            args = (whole.data, whole.scales, whole.mins, whole.fmt.bits, whole.fmt.block,
+                    whole.fmt.zero or 0, bias, silu_mul)
+
+            def product(x: torch.Tensor) -> torch.Tensor:
+                out = x.new_empty(x.shape[0], size)
+                run(out, x, *args)
+                return out
+        else:
+            def product(x: torch.Tensor) -> torch.Tensor:
+                out = x.new_empty(x.shape[0], size)
+                whole.matmul_into(out, x, bias, ops, kernel, silu_mul)
+                return out
+        return product, limit
 
     def describe(self, layer: LinearBase) -> str:
         parts = []

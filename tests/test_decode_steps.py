@@ -1,0 +1,80 @@
+"""A decode-only step through the decoder layers' decode steps (the kernels called in
+forward's order, without the module calls between them) generates exactly what the layers'
+forward generates: the same kernels with the same arguments, so the same bits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from cpullm import LLM, SamplingParams
+from cpullm.model_executor.layers import stage
+from cpullm.model_executor.layers.ops import load_ops
+
+needs_kernels = pytest.mark.skipif(load_ops() is None, reason="no compiled kernels here")
+
+PROMPTS = [[1, 2, 3, 4, 5], [100, 2000, 30000, 7], [42] * 40]
+
+
+def _generate(llm: LLM, steps: bool, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Greedy completions with logprobs, the decode steps on (as shipped) or off."""
+    with monkeypatch.context() as patch:
+        if not steps:
+            patch.setattr(stage, "_decode_steps", lambda *args: None)
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                               use_tqdm=False)
+    return [o.outputs[0] for o in outputs]
+
+
+def _layers(llm: LLM) -> torch.nn.ModuleList:
+    model = llm.llm_engine.model_runner.model
+    return next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
+
+
+def _assert_same(a: list[Any], b: list[Any]) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids
+        assert x.logprobs == y.logprobs  # bit for bit: the same kernels, the same order
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch, runs", [("llama", True), ("qwen2", True),
+                                        ("llama3-rope-tied", True), ("phi3", True),
+                                        ("granite", True), ("qwen3", True),
+                                        ("mistral", True), ("glm", True),
+                                        ("glm4", False), ("gemma2", False),
+                                        ("qwen3_moe", False)])
+def test_decode_steps_generate_what_forward_does(tiny_model, arch, runs, monkeypatch):
+    """bfloat16 folders: Llama, Qwen2 (q, k, v biases), a tied head with llama3 rope, Phi-3
+    (partial rotary, a sliding window shorter than the longest prompt), Granite (a residual
+    multiplier), Qwen3 (q/k norms), Mistral and GLM (q and k reordered) take the decode
+    steps; GLM-4's and Gemma 2's own layers and a mixture's experts keep forward."""
+    llm = LLM(model=str(tiny_model(arch)), dtype="bfloat16", max_model_len=256,
+              kv_cache_memory_bytes=1 << 24)
+    with_steps = _generate(llm, True, monkeypatch)
+    steps, limit = _layers(llm).__dict__.get("decode_plan", ([], 0))
+    assert (len(steps) == len(_layers(llm)) and limit > 1) if runs else steps == []
+    _assert_same(with_steps, _generate(llm, False, monkeypatch))
+
+
+@needs_kernels
+def test_decode_steps_on_the_kept_default_model(monkeypatch):
+    """The default model's Q4_1 blocks, kept: the layers' steps call the kept kernels with
+    the arguments their layers pass."""
+    llm = LLM(max_model_len=256, kv_cache_memory_bytes=1 << 24)  # the default model
+    with_steps = _generate(llm, True, monkeypatch)
+    steps, limit = _layers(llm).decode_plan
+    assert len(steps) == len(_layers(llm)) and limit >= 4
+    _assert_same(with_steps, _generate(llm, False, monkeypatch))
+
+
+def test_no_decode_steps_in_float32(tiny_model):
+    """Steps are bfloat16's: a float32 model keeps forward (and makes no plan)."""
+    llm = LLM(model=str(tiny_model("llama")), dtype="float32", max_model_len=256,
+              kv_cache_memory_bytes=1 << 24)
+    llm.generate([{"prompt_token_ids": PROMPTS[0]}],
+                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert "decode_plan" not in _layers(llm).__dict__
