@@ -45,13 +45,16 @@ def _assert_same(a: list[Any], b: list[Any]) -> None:
                                         ("llama3-rope-tied", True), ("phi3", True),
                                         ("granite", True), ("qwen3", True),
                                         ("mistral", True), ("glm", True),
-                                        ("glm4", False), ("gemma2", False),
+                                        ("glm4", False), ("gemma", True),
+                                        ("gemma2", True), ("gemma3", True),
                                         ("qwen3_moe", False)])
 def test_decode_steps_generate_what_forward_does(tiny_model, arch, runs, monkeypatch):
     """bfloat16 folders: Llama, Qwen2 (q, k, v biases), a tied head with llama3 rope, Phi-3
     (partial rotary, a sliding window shorter than the longest prompt), Granite (a residual
-    multiplier), Qwen3 (q/k norms), Mistral and GLM (q and k reordered) take the decode
-    steps; GLM-4's and Gemma 2's own layers and a mixture's experts keep forward."""
+    multiplier), Qwen3 (q/k norms), Mistral, GLM (q and k reordered) and Gemma 1-3 (their
+    attention's decode function in their own layers: Gemma 2's soft-cap and windows, Gemma
+    3's q/k norms and rotary per layer kind) take the decode steps; GLM-4's own layer and a
+    mixture's experts keep forward."""
     llm = LLM(model=str(tiny_model(arch)), dtype="bfloat16", max_model_len=256,
               kv_cache_memory_bytes=1 << 24)
     with_steps = _generate(llm, True, monkeypatch)

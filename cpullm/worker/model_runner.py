@@ -341,8 +341,9 @@ class ModelRunner(RunnerBase):
             for group, table in enumerate(r.block_tables):
                 block_tables[group, i, :len(table)] = table
         #   slot = block_table[position // block_size] * block_size + position % block_size
-        slot_mapping = (block_tables[:, request_of_token, positions // bs] * bs
-                        + positions % bs)  # [groups, tokens]
+        # [groups, tokens], each group's row contiguous (the KV-store kernel's slots)
+        slot_mapping = np.ascontiguousarray(block_tables[:, request_of_token, positions // bs] * bs
+                                            + positions % bs)
 
         nd = int((query_lens == 1).sum())
         decode_len = int(seq_lens[:nd].max()) if nd else 0

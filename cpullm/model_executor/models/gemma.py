@@ -14,7 +14,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -95,8 +96,24 @@ class GemmaDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._run(self.self_attn, positions, hidden, residual, kv_cache, meta)
+
+    def decode_step(self) -> tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]], int] | None:
+        """forward for a decode-only step in bfloat16 with the attention's decode function
+        (``LlamaAttention.decode_fn``) in place of its module; the norms and the GeGLU as
+        forward calls them. None where the attention has none."""
+        made = self.self_attn.decode_fn() if type(self).forward is GemmaDecoderLayer.forward \
+            else None
+        if made is None:
+            return None
+        attend, limit = made
+        return functools.partial(self._run, attend), limit
+
+    def _run(self, attend: Callable[..., torch.Tensor], positions: torch.Tensor,
+             hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor,
+             meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden = attend(positions, hidden, kv_cache, meta)
         if not self.sandwich:
             hidden, residual = self.post_attention_layernorm(hidden, residual)
             return self.mlp(hidden), residual

@@ -98,6 +98,51 @@ class LlamaAttention(nn.Module):
         out = self.attn(q, k, v, kv_cache, meta, self.sinks)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.view(-1, self.q_size))
 
+    def decode_fn(self) -> tuple[Callable[..., torch.Tensor], int] | None:
+        """forward as one function (positions, hidden, kv_cache, meta) of a decode-only step
+        in bfloat16 (``LlamaDecoderLayer.decode_step``: the tensors as it takes them), and
+        the most tokens it holds for: the projections' and the attention's kernels with
+        forward's arguments (the q/k norms and the reorder of q and k as forward calls
+        them). None where forward does more, or has no compiled kernels."""
+        attn = self.attn
+        if (type(self).forward is not LlamaAttention.forward
+                or type(attn).forward is not PagedAttention.forward
+                or type(self.rotary).forward is not RotaryEmbedding.forward
+                or self.rotary.ops is None or attn.decode_attention is None or attn.ops is None):
+            return None
+        products = [self.qkv_proj.step_fn(torch.bfloat16), self.o_proj.step_fn(torch.bfloat16)]
+        if any(product is None for product in products):
+            return None
+        (qkv, _), (o_proj, _) = products
+        q_size, sizes = self.q_size, [self.q_size, self.kv_size, self.kv_size]
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        flat = (-1, kv_heads, head_dim)
+        rotate, cos, sin = self.rotary.ops.rotary_embedding, self.rotary.cos, self.rotary.sin
+        cache_kv, decode = attn.ops.cache_kv, attn.decode_attention
+        scale, softcap, window, sinks = attn.scale, attn.softcap, attn.window, self.sinks
+        qk_norm, order = self.qk_norm, self.qk_order
+
+        def attend(positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                   meta: AttentionMetadata) -> torch.Tensor:
+            q, k, v = qkv(hidden).split(sizes, dim=-1)
+            q, k = q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim)
+            if qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if order is not None:
+                q, k = q[..., order], k[..., order]
+            rotate(positions, q, k, cos, sin)
+            key_cache, value_cache = kv_cache[0], kv_cache[1]
+            group = attn.kv_group
+            cache_kv(key_cache.view(flat), value_cache.view(flat), k,
+                     v.view(-1, kv_heads, head_dim), meta.slot_mapping[group])
+            out = torch.empty_like(q)
+            decode(out, q, key_cache, value_cache, meta.decode_block_tables[group],
+                   meta.decode_seq_lens, scale, meta.sliding_window if window is None else window,
+                   softcap, sinks)
+            return o_proj(out.view(-1, q_size))
+
+        return attend, min(limit for _, limit in products)
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
@@ -155,37 +200,23 @@ class LlamaDecoderLayer(nn.Module):
         sequence's next; hidden, residual and the KV caches contiguous, the slots int64),
         and the most tokens it holds for: forward's kernels called in forward's order with
         forward's arguments, without the module calls and checks between them (a single
-        stream spends about as long in those as in its kernels; the q/k norms, a reorder of
-        q and k, a residual multiplier as forward has them). None where forward does more:
-        a family's own layer, experts, tensor parallelism, no compiled kernels."""
-        attention, mlp, attn = self.self_attn, self.mlp, self.self_attn.attn
-        norms = (self.input_layernorm, self.post_attention_layernorm)
+        stream spends about as long in those as in its kernels; a residual multiplier as
+        forward has it). None where forward does more: a family's own layer, experts,
+        tensor parallelism, no compiled kernels."""
+        mlp, norms = self.mlp, (self.input_layernorm, self.post_attention_layernorm)
         if (type(self).forward is not LlamaDecoderLayer.forward
-                or type(attention).forward is not LlamaAttention.forward
                 or type(mlp).forward is not LlamaMLP.forward
-                or type(attn).forward is not PagedAttention.forward
-                or type(attention.rotary).forward is not RotaryEmbedding.forward
                 or any(type(norm).forward is not RMSNorm.forward or norm.kernel is None
-                       or norm.weight.dtype != torch.bfloat16 for norm in norms)
-                or attention.rotary.ops is None
-                or attn.decode_attention is None or attn.ops is None):
+                       or norm.weight.dtype != torch.bfloat16 for norm in norms)):
             return None
-        products = [linear.step_fn(torch.bfloat16) for linear in (
-            attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if any(product is None for product in products):
+        made = [self.self_attn.decode_fn(), mlp.gate_up_proj.step_fn(torch.bfloat16),
+                mlp.down_proj.step_fn(torch.bfloat16)]
+        if any(m is None for m in made):
             return None
-        (qkv, _), (o_proj, _), (gate_up, _), (down, _) = products
+        (attend, _), (gate_up, _), (down, _) = made
         norm_in, norm_post = (norm.kernel for norm in norms)
         weight_in, weight_post = (norm.weight for norm in norms)
         eps_in, eps_post = (norm.eps for norm in norms)
-        q_size, sizes = attention.q_size, [attention.q_size, attention.kv_size, attention.kv_size]
-        heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
-        flat = (-1, kv_heads, head_dim)
-        rotate, cos, sin = attention.rotary.ops.rotary_embedding, attention.rotary.cos, \
-            attention.rotary.sin
-        cache_kv, decode = attn.ops.cache_kv, attn.decode_attention
-        scale, softcap, window, sinks = attn.scale, attn.softcap, attn.window, attention.sinks
-        qk_norm, order = attention.qk_norm, attention.qk_order
         multiplier = self.residual_multiplier
 
         def step(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
@@ -197,29 +228,14 @@ class LlamaDecoderLayer(nn.Module):
             else:
                 x = hidden
                 norm_in(x, x, residual, weight_in, eps_in)
-            q, k, v = qkv(x).split(sizes, dim=-1)
-            q, k = q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim)
-            if qk_norm:
-                q, k = attention.q_norm(q), attention.k_norm(k)
-            if order is not None:
-                q, k = q[..., order], k[..., order]
-            rotate(positions, q, k, cos, sin)
-            key_cache, value_cache = kv_cache[0], kv_cache[1]
-            group = attn.kv_group
-            cache_kv(key_cache.view(flat), value_cache.view(flat), k,
-                     v.view(-1, kv_heads, head_dim), meta.slot_mapping[group])
-            out = torch.empty_like(q)
-            decode(out, q, key_cache, value_cache, meta.decode_block_tables[group],
-                   meta.decode_seq_lens, scale, meta.sliding_window if window is None else window,
-                   softcap, sinks)
-            hidden = o_proj(out.view(-1, q_size))
+            hidden = attend(positions, x, kv_cache, meta)
             if multiplier != 1.0:
                 hidden = hidden * multiplier
             norm_post(hidden, hidden, residual, weight_post, eps_post)
             hidden = down(gate_up(hidden))
             return (hidden if multiplier == 1.0 else hidden * multiplier), residual
 
-        return step, min(limit for _, limit in products)
+        return step, min(limit for _, limit in made)
 
     @staticmethod
     def make_mlp(config: Any, index: int, dtype: torch.dtype, ops: KernelTable | None,
