@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -200,10 +201,15 @@ struct NextItemPrefetch {
   int64_t t = 0, len = 0, block_size = 1, block_stride = 0, token_stride = 0, bytes = 0;
 
   void step(int64_t rows) {
-    for (const int64_t stop = std::min(len, t + rows); t < stop; ++t) {
-      const int64_t at = bt[t / block_size] * block_stride + (t % block_size) * token_stride;
-      prefetch_row_l2(kp + at, bytes);
-      prefetch_row_l2(vp + at, bytes);
+    const int64_t stop = std::min(len, t + rows);
+    while (t < stop) {  // a division per block's run of rows, not per row
+      const int64_t off = t % block_size, run = std::min(stop - t, block_size - off);
+      const int64_t base = bt[t / block_size] * block_stride + off * token_stride;
+      for (int64_t j = 0; j < run; ++j) {
+        prefetch_row_l2(kp + base + j * token_stride, bytes);
+        prefetch_row_l2(vp + base + j * token_stride, bytes);
+      }
+      t += run;
     }
   }
 };
@@ -400,6 +406,68 @@ void paged_values_bf16(float* acc, int64_t head_dim, const float* probs,
   }
 }
 
+// acc[g, :] = sum over t of probs[g * pstride + (t - first)] * v_t for the G query heads
+// of one KV head, with the probabilities in bfloat16: two tokens' values are interleaved
+// in registers (unpacklo/hi of 16-bit words), so one BF16 dot product adds two tokens'
+// terms for 16 dimensions, where float FMAs add one. A block's odd last token pairs with
+// itself at probability zero. The accumulators hold each 128-bit lane's dimensions 0-3 and
+// 4-7 apart; the store puts them back in order.
+template <int G, int W>
+void paged_values_pairs(float* acc, int64_t head_dim, const c10::BFloat16* probs,
+                        int64_t pstride, const c10::BFloat16* vp, const int64_t* bt,
+                        int64_t first, int64_t len, int64_t block_size, int64_t block_stride,
+                        int64_t token_stride) {
+  const __m512i lo_order =
+      _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi_order =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 32 * W) {
+    __m512 a[G][W][2];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < W; ++c) a[g][c][0] = a[g][c][1] = _mm512_setzero_ps();
+    for (int64_t t = first; t < len;) {
+      const int64_t off = t % block_size, run = std::min(len - t, block_size - off);
+      const c10::BFloat16* v = vp + bt[t / block_size] * block_stride + off * token_stride + d0;
+      const c10::BFloat16* p = probs + (t - first);
+      auto step = [&](int64_t j, const c10::BFloat16* next, uint32_t mask) {
+        __m512i lo[W], hi[W];
+        for (int c = 0; c < W; ++c) {
+          const __m512i x0 = _mm512_loadu_si512(v + j * token_stride + 32 * c);
+          const __m512i x1 = _mm512_loadu_si512(next + 32 * c);
+          lo[c] = _mm512_unpacklo_epi16(x0, x1);
+          hi[c] = _mm512_unpackhi_epi16(x0, x1);
+        }
+        for (int g = 0; g < G; ++g) {
+          uint32_t word;
+          std::memcpy(&word, p + g * pstride + j, 4);
+          const __m512bh pg = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(word & mask));
+          for (int c = 0; c < W; ++c) {
+            a[g][c][0] = _mm512_dpbf16_ps(a[g][c][0], pg, (__m512bh)lo[c]);
+            a[g][c][1] = _mm512_dpbf16_ps(a[g][c][1], pg, (__m512bh)hi[c]);
+          }
+        }
+      };
+      int64_t j = 0;
+      for (; j + 2 <= run; j += 2) {
+        if (j + kPrefetchTokens < run) {
+          prefetch_row(v + (j + kPrefetchTokens) * token_stride, W * 64);
+          prefetch_row(v + (j + kPrefetchTokens + 1) * token_stride, W * 64);
+        }
+        step(j, v + (j + 1) * token_stride, 0xffffffffu);
+      }
+      // an odd last token: its pair is itself, at probability zero
+      if (j < run) step(j, v + j * token_stride, 0xffffu);
+      t += run;
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < W; ++c) {
+        float* dst = acc + g * head_dim + d0 + 32 * c;
+        _mm512_storeu_ps(dst, _mm512_permutex2var_ps(a[g][c][0], lo_order, a[g][c][1]));
+        _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(a[g][c][0], hi_order, a[g][c][1]));
+      }
+  }
+}
+
 // paged_values_bf16 for the G query heads of each of KV consecutive KV heads at once, 32
 // dimensions of every KV head a pass: a token's rows are read in address order, as the
 // scores read them (acc, probs: KV G heads, the KV heads' groups one after the other).
@@ -445,6 +513,9 @@ using AmxScoresFn = void (*)(float*, const int32_t*, int64_t, float, const c10::
                              int64_t, int64_t, int64_t, NextItemPrefetch&);
 using PagedValuesFn = void (*)(float*, int64_t, const float*, const c10::BFloat16*,
                                const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t);
+using PairValuesFn = void (*)(float*, int64_t, const c10::BFloat16*, int64_t,
+                              const c10::BFloat16*, const int64_t*, int64_t, int64_t, int64_t,
+                              int64_t, int64_t);
 
 // bfloat16 decode attention for head_dim a multiple of 32 up to 256 and up to 8 query heads
 // per KV head, the scores on AMX tiles or not; returns false (nothing written) for other
@@ -483,6 +554,17 @@ bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tenso
       {paged_values_heads<3, 1>, paged_values_heads<3, 2>, paged_values_heads<3, 3>,
        paged_values_heads<3, 4>}};
 
+  // Without AMX the values are summed two tokens a BF16 dot product, with the
+  // probabilities rounded to bfloat16 as the prompt path's batched matmul rounds them.
+  static constexpr PairValuesFn kPairs2[] = {
+      nullptr, paged_values_pairs<1, 2>, paged_values_pairs<2, 2>, paged_values_pairs<3, 2>,
+      paged_values_pairs<4, 2>, paged_values_pairs<5, 2>};
+  static constexpr PairValuesFn kPairs1[] = {
+      nullptr, paged_values_pairs<1, 1>, paged_values_pairs<2, 1>, paged_values_pairs<3, 1>,
+      paged_values_pairs<4, 1>, paged_values_pairs<5, 1>, paged_values_pairs<6, 1>,
+      paged_values_pairs<7, 1>, paged_values_pairs<8, 1>};
+  const PairValuesFn pairs_fn =
+      amx ? nullptr : (head_dim % 64 == 0 && group <= 5) ? kPairs2[group] : kPairs1[group];
   const int64_t max_blocks = block_tables.size(1), q_stride = q.stride(0);
   const auto* qp = q.data_ptr<c10::BFloat16>();
   const auto* kp = key_cache.data_ptr<c10::BFloat16>();
@@ -514,6 +596,7 @@ bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tenso
   auto cost = [&](int64_t item) { return decode_cost(lens, item, items_per_seq, window); };
   parallel_by_cost(num_seqs * items_per_seq, cost, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(heads * head_dim);
+    std::vector<c10::BFloat16> probs;  // rows of pstride, the pairs' words read past n
     __m512bh query[64];
     alignas(64) int32_t words[8 * 256];
     if (amx) load_tile_config();
@@ -549,16 +632,29 @@ bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tenso
       }
       next_item.step(next_item.len);  // what the scores did not reach (a longer next item)
       if (softcap > 0) soft_cap(scores.data(), heads * n, static_cast<float>(softcap));
-      for (int64_t h = 0; h < heads; ++h)
-        softmax(scores.data() + h * n, n, sinks ? sinks[kvh * group + h] : kNoSink);
-      if (heads_values != nullptr) {
-        heads_values(acc.data(), head_dim, scores.data(), vp + kvh * head_dim,
-                     bt + s * max_blocks, first, len, block_size, block_stride, token_stride);
-      } else {
+      const float* sink = sinks ? sinks + kvh * group : nullptr;
+      if (pairs_fn != nullptr) {
+        const int64_t pstride = (n + 16) & ~int64_t{15};
+        probs.resize(heads * pstride);
+        for (int64_t h = 0; h < heads; ++h)
+          softmax_to_bf16(probs.data() + h * pstride, scores.data() + h * n, n,
+                          sink ? sink[h] : kNoSink);
         for (int64_t h = 0; h < kv; ++h)
-          values_fn(acc.data() + h * group * head_dim, head_dim, scores.data() + h * group * n,
-                    vp + (kvh + h) * head_dim, bt + s * max_blocks, first, len, block_size,
-                    block_stride, token_stride);
+          pairs_fn(acc.data() + h * group * head_dim, head_dim, probs.data() + h * group * pstride,
+                   pstride, vp + (kvh + h) * head_dim, bt + s * max_blocks, first, len,
+                   block_size, block_stride, token_stride);
+      } else {
+        for (int64_t h = 0; h < heads; ++h)
+          softmax(scores.data() + h * n, n, sink ? sink[h] : kNoSink);
+        if (heads_values != nullptr) {
+          heads_values(acc.data(), head_dim, scores.data(), vp + kvh * head_dim,
+                       bt + s * max_blocks, first, len, block_size, block_stride, token_stride);
+        } else {
+          for (int64_t h = 0; h < kv; ++h)
+            values_fn(acc.data() + h * group * head_dim, head_dim, scores.data() + h * group * n,
+                      vp + (kvh + h) * head_dim, bt + s * max_blocks, first, len, block_size,
+                      block_stride, token_stride);
+        }
       }
       c10::BFloat16* dst = op + (s * num_heads + kvh * group) * head_dim;
       for (int64_t i = 0; i < heads * head_dim; i += 16)

@@ -81,11 +81,9 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// row[0:n] = softmax(row[0:n]) in place.
-// softmax of row[0:n] in place; a finite ``sink`` is one more logit of the denominator,
-// attached to no value (attention sinks).
-inline void softmax(float* row, int64_t n,
-                    float sink = -std::numeric_limits<float>::infinity()) {
+// row[0:n] = exp(row[0:n] - max) in place; returns 1 / the sum of them, a finite ``sink``
+// one more logit of the denominator, attached to no value (attention sinks).
+inline float softmax_exp(float* row, int64_t n, float sink) {
   __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + i));
@@ -100,10 +98,32 @@ inline void softmax(float* row, int64_t n,
   }
   float sum = _mm512_reduce_add_ps(vsum) + std::exp(sink - mx);
   for (; i < n; ++i) { row[i] = std::exp(row[i] - mx); sum += row[i]; }
-  const __m512 inv = _mm512_set1_ps(1.f / sum);
-  for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_loadu_ps(row + i), inv));
-  for (; i < n; ++i) row[i] *= 1.f / sum;
+  return 1.f / sum;
 }
+
+// softmax of row[0:n] in place (``sink``: as softmax_exp).
+inline void softmax(float* row, int64_t n,
+                    float sink = -std::numeric_limits<float>::infinity()) {
+  const float inv = softmax_exp(row, n, sink);
+  const __m512 vinv = _mm512_set1_ps(inv);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_loadu_ps(row + i), vinv));
+  for (; i < n; ++i) row[i] *= inv;
+}
+
+#if defined(__AVX512BF16__)
+// out[0:n] = softmax(row[0:n]) rounded to bfloat16 (row is left holding the exponentials).
+inline void softmax_to_bf16(c10::BFloat16* out, float* row, int64_t n, float sink) {
+  const float inv = softmax_exp(row, n, sink);
+  const __m512 vinv = _mm512_set1_ps(inv);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row + i), vinv)));
+  for (; i < n; ++i) out[i] = c10::BFloat16(row[i] * inv);
+}
+#endif
+
 // 16 bfloat16 -> 16 float32 (bfloat16 is the upper half of a float32).
 inline __m512 bf16x16_load(const c10::BFloat16* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
