@@ -292,9 +292,15 @@ def test_gate_up_silu_fused_matches_unfused(rows, intermediate, amx, monkeypatch
     [(20, 1), (0, 40), (25, 40)],  # equal chunks: no padding
     [(20, 1), (0, 40), (0, 40)],  # equal fresh prompts: keys and values of this step
 ])
-def test_bf16_prompt_attention_matches_sdpa(window, shapes):
+@pytest.mark.parametrize("fused,heads,kv_heads,dim", [
+    (True, 6, 2, 64),    # the fused kernel: 5 positions of 3 heads per item
+    (True, 12, 1, 128),  # one position of 12 heads per item, 128-wide heads
+    (True, 8, 8, 32),    # no grouping: 16 positions per item
+    (False, 6, 2, 64),   # the batched matmuls around prefill_softmax_bf16 (AMX CPUs)
+])
+def test_bf16_prompt_attention_matches_sdpa(window, shapes, fused, heads, kv_heads, dim):
     """Decode tokens and prompt chunks (fresh, and continuing a cached prefix) in one step:
-    the compiled bfloat16 path against SDPA over the same cache."""
+    each compiled bfloat16 prompt path against SDPA over the same cache."""
     from types import SimpleNamespace
 
     from cpullm.engine.sched_output import ScheduledRequest
@@ -303,7 +309,7 @@ def test_bf16_prompt_attention_matches_sdpa(window, shapes):
     from cpullm.worker.model_runner import ModelRunner
 
     torch.manual_seed(0)
-    heads, kv_heads, dim, block, blocks = 6, 2, 64, 16, 64
+    block, blocks = 16, 64
     # shapes: (tokens already in the cache, tokens computed this step) per request
     tables = torch.randperm(blocks).tolist()
     items, used = [], 0
@@ -323,7 +329,9 @@ def test_bf16_prompt_attention_matches_sdpa(window, shapes):
     k = torch.randn(num_tokens, kv_heads, dim).bfloat16()
     v = torch.randn(num_tokens, kv_heads, dim).bfloat16()
     expected = PagedAttention(heads, dim, kv_heads, dim ** -0.5)(q, k, v, kv_cache.clone(), meta)
-    got = PagedAttention(heads, dim, kv_heads, dim ** -0.5, ops)(q, k, v, kv_cache.clone(), meta)
+    attention = PagedAttention(heads, dim, kv_heads, dim ** -0.5, ops)
+    attention.prefill_attention = ops.prefill_attention_bf16 if fused else None
+    got = attention(q, k, v, kv_cache.clone(), meta)
     assert torch.allclose(got.float(), expected.float(), atol=3e-2)
 
 

@@ -33,6 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "gemm_bf16 on AMX tiles, on the same packed panels; K a multiple of 32");
   m.def("prefill_softmax_bf16", &cpullm::prefill_softmax_bf16,
         "causal softmax of prompt-chunk attention scores, in place");
+  m.def("prefill_attention_bf16", &cpullm::prefill_attention_bf16,
+        "causal attention of prompt chunks on the paged bfloat16 caches, fused");
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   m.def("quant_gemm", &cpullm::quant_gemm,

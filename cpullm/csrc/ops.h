@@ -18,6 +18,9 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Te
 void prefill_softmax_bf16(at::Tensor scores, at::Tensor starts, at::Tensor query_lens,
                           int64_t num_kv_heads, int64_t max_q, double scale, int64_t window,
                           double softcap, c10::optional<at::Tensor> sinks);
+void prefill_attention_bf16(at::Tensor out, at::Tensor q, at::Tensor key_cache,
+                            at::Tensor value_cache, at::Tensor block_tables, at::Tensor starts,
+                            at::Tensor query_lens, double scale, int64_t window);
 #endif
 
 // pointwise.cpp

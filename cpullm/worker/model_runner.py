@@ -361,7 +361,9 @@ class ModelRunner(RunnerBase):
                                  for tables in block_tables],
             decode_seq_lens=torch.from_numpy(seq_lens[:nd]),
             sliding_window=self.sliding_window or 0,
-            prefill_block_tables=list(torch.from_numpy(block_tables[:, nd:, :prefill_blocks])),
+            prefill_block_tables=[
+                torch.from_numpy(np.ascontiguousarray(tables[nd:, :prefill_blocks]))
+                for tables in block_tables],
             prefill_query_index=torch.from_numpy(prefill_query_index),
             prefill_max_query_len=max_q,
             prefill_starts=torch.from_numpy(p_starts),

@@ -59,6 +59,7 @@ class KernelTable:
     gemm_bf16_amx: Kernel | None
     decode_attention_amx: Kernel | None
     prefill_softmax_bf16: Kernel | None
+    prefill_attention_bf16: Kernel | None
     quant_gemm: Kernel | None  # AVX-512 VNNI, or AVX2's int8 multiply-adds
     quant_gemm_grouped: Kernel | None
     quant_gemm_bf16: Kernel | None  # AVX-512 VNNI and BF16
