@@ -169,7 +169,7 @@ class PagedAttention(nn.Module):
                                   self.scale, window, self.softcap, sinks)
         elif nd:
             out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta, window, sinks)
-        if nd < q.shape[0] and self._fused_prefill(q, key_cache, sinks):
+        if nd < q.shape[0] and self._fused_prefill(q, key_cache, value_cache, sinks):
             self.prefill_attention(out[nd:], q[nd:], key_cache, value_cache, prefill_tables,
                                    meta.prefill_starts, meta.prefill_query_lens, self.scale,
                                    window)
@@ -204,10 +204,13 @@ class PagedAttention(nn.Module):
         return out
 
     def _fused_prefill(self, q: torch.Tensor, key_cache: torch.Tensor,
-                       sinks: torch.Tensor | None) -> bool:
-        """Whether the prompt chunks take the fused kernel: bfloat16, no soft-cap or sinks,
-        heads of a multiple of 32 up to 256, up to 16 query heads per KV head."""
-        return (self.prefill_attention is not None and q.dtype == key_cache.dtype == torch.bfloat16
+                       value_cache: torch.Tensor, sinks: torch.Tensor | None) -> bool:
+        """Whether the prompt chunks take the fused kernel: bfloat16, contiguous caches, no
+        soft-cap or sinks, heads of a multiple of 32 up to 256, up to 16 query heads per KV
+        head."""
+        return (self.prefill_attention is not None
+                and q.dtype == key_cache.dtype == value_cache.dtype == torch.bfloat16
+                and key_cache.is_contiguous() and value_cache.is_contiguous()
                 and not self.softcap and sinks is None and self.head_dim % 32 == 0
                 and self.head_dim <= 256 and self.num_heads // self.num_kv_heads <= 16)
 
