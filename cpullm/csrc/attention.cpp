@@ -407,6 +407,17 @@ void paged_values_bf16(float* acc, int64_t head_dim, const float* probs,
   }
 }
 
+// Two accumulators of BF16 dot products on rows interleaved by unpacklo/hi of 16-bit words
+// (each 128-bit lane's dimensions 0-3 in lo, 4-7 in hi) -> dimensions 0-15 and 16-31.
+inline void interleaved_in_order(__m512 lo, __m512 hi, __m512& first, __m512& second) {
+  const __m512i first_order =
+      _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second_order =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  first = _mm512_permutex2var_ps(lo, first_order, hi);
+  second = _mm512_permutex2var_ps(lo, second_order, hi);
+}
+
 // acc[g, :] = sum over t of probs[g * pstride + (t - first)] * v_t for the G query heads
 // of one KV head, with the probabilities in bfloat16: two tokens' values are interleaved
 // in registers (unpacklo/hi of 16-bit words), so one BF16 dot product adds two tokens'
@@ -418,10 +429,6 @@ void paged_values_pairs(float* acc, int64_t head_dim, const c10::BFloat16* probs
                         int64_t pstride, const c10::BFloat16* vp, const int64_t* bt,
                         int64_t first, int64_t len, int64_t block_size, int64_t block_stride,
                         int64_t token_stride) {
-  const __m512i lo_order =
-      _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i hi_order =
-      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int64_t d0 = 0; d0 < head_dim; d0 += 32 * W) {
     __m512 a[G][W][2];
     for (int g = 0; g < G; ++g)
@@ -462,9 +469,10 @@ void paged_values_pairs(float* acc, int64_t head_dim, const c10::BFloat16* probs
     }
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < W; ++c) {
-        float* dst = acc + g * head_dim + d0 + 32 * c;
-        _mm512_storeu_ps(dst, _mm512_permutex2var_ps(a[g][c][0], lo_order, a[g][c][1]));
-        _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(a[g][c][0], hi_order, a[g][c][1]));
+        __m512 first, second;
+        interleaved_in_order(a[g][c][0], a[g][c][1], first, second);
+        _mm512_storeu_ps(acc + g * head_dim + d0 + 32 * c, first);
+        _mm512_storeu_ps(acc + g * head_dim + d0 + 32 * c + 16, second);
       }
   }
 }
@@ -782,16 +790,12 @@ void prefill_values_tile(c10::BFloat16* const* out_rows, const int32_t* pairs,
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], pr, hi);
     }
   }
-  const __m512i lo_order =
-      _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i hi_order =
-      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int r = 0; r < R; ++r) {
     const __m512 scale = _mm512_set1_ps(inv[r]);
-    bf16x16_store(out_rows[r] + d0,
-                  _mm512_mul_ps(_mm512_permutex2var_ps(acc[r][0], lo_order, acc[r][1]), scale));
-    bf16x16_store(out_rows[r] + d0 + 16,
-                  _mm512_mul_ps(_mm512_permutex2var_ps(acc[r][0], hi_order, acc[r][1]), scale));
+    __m512 first, second;
+    interleaved_in_order(acc[r][0], acc[r][1], first, second);
+    bf16x16_store(out_rows[r] + d0, _mm512_mul_ps(first, scale));
+    bf16x16_store(out_rows[r] + d0 + 16, _mm512_mul_ps(second, scale));
   }
 }
 

@@ -129,7 +129,11 @@ class PagedAttention(nn.Module):
         self.ops = ops  # compiled kernels, or None for plain torch ops
         self.prefill_softmax = ops.prefill_softmax_bf16 if ops is not None else None
         self.decode_attention = decode_kernel(ops) if ops is not None else None
-        self.prefill_attention = prefill_kernel(ops) if ops is not None else None
+        # The fused prompt kernel takes heads of a multiple of 32 up to 256, up to 16 query
+        # heads per KV head, no soft-cap (sinks come per call).
+        self.prefill_attention = (
+            prefill_kernel(ops) if ops is not None and not softcap and head_dim % 32 == 0
+            and head_dim <= 256 and num_heads // num_kv_heads <= 16 else None)
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
@@ -169,7 +173,9 @@ class PagedAttention(nn.Module):
                                   self.scale, window, self.softcap, sinks)
         elif nd:
             out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta, window, sinks)
-        if nd < q.shape[0] and self._fused_prefill(q, key_cache, value_cache, sinks):
+        if (nd < q.shape[0] and self.prefill_attention is not None and sinks is None
+                and q.dtype == key_cache.dtype == value_cache.dtype == torch.bfloat16
+                and key_cache.is_contiguous() and value_cache.is_contiguous()):
             self.prefill_attention(out[nd:], q[nd:], key_cache, value_cache, prefill_tables,
                                    meta.prefill_starts, meta.prefill_query_lens, self.scale,
                                    window)
@@ -202,17 +208,6 @@ class PagedAttention(nn.Module):
                 out[nd:] = result.reshape(-1, self.num_heads, self.head_dim)[
                     meta.prefill_query_index]
         return out
-
-    def _fused_prefill(self, q: torch.Tensor, key_cache: torch.Tensor,
-                       value_cache: torch.Tensor, sinks: torch.Tensor | None) -> bool:
-        """Whether the prompt chunks take the fused kernel: bfloat16, contiguous caches, no
-        soft-cap or sinks, heads of a multiple of 32 up to 256, up to 16 query heads per KV
-        head."""
-        return (self.prefill_attention is not None
-                and q.dtype == key_cache.dtype == value_cache.dtype == torch.bfloat16
-                and key_cache.is_contiguous() and value_cache.is_contiguous()
-                and not self.softcap and sinks is None and self.head_dim % 32 == 0
-                and self.head_dim <= 256 and self.num_heads // self.num_kv_heads <= 16)
 
     def _attend_bf16(self, padded: torch.Tensor, key_cache: torch.Tensor,
                      value_cache: torch.Tensor, meta: AttentionMetadata,
