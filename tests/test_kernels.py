@@ -82,14 +82,17 @@ def test_decode_attention_matches_sdpa(kernel, dtype, heads, kv_heads, dim, wind
     assert torch.allclose(out.double(), expected, atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [49152, 1000, 7])
-def test_fused_draw_matches_torch_draw(vocab):
+def test_fused_draw_matches_torch_draw(vocab, dtype):
+    """The fused draw equals the torch one; on bfloat16 logits (as the model computes
+    them) it draws what it draws from their float32 copy."""
     from cpullm.sampling_params import SamplingParams
     from cpullm.worker.sampler import _draw
 
     generator = torch.Generator().manual_seed(0)
     rows = 64
-    logits = torch.randn(rows, vocab, generator=generator) * 3
+    logits = (torch.randn(rows, vocab, generator=generator) * 3).to(dtype)
     logits[::3, : vocab // 2] = -float("inf")  # masked tokens: never drawn
     temperature = torch.rand(rows, generator=generator) + 0.3
     uniform = torch.rand(rows, generator=generator)
@@ -100,18 +103,30 @@ def test_fused_draw_matches_torch_draw(vocab):
     # Next to 1 the two summation orders may round to different last tokens.
     assert torch.equal(got[2:], expected[2:]) and got[0] == expected[0]
     assert bool((logits.gather(1, got[:, None]) > -float("inf")).all())
+    if dtype != torch.float32:
+        assert torch.equal(got, ops.sample_from_logits(logits.float(), temperature, uniform))
 
 
-def test_rotary_matches_torch():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,partial,tokens", [(64, 1.0, 4), (80, 0.4, 3), (72, 1.0, 130)])
+def test_rotary_matches_torch(dtype, head_dim, partial, tokens):
+    """The kernel rotates q and k (strided views of a fused QKV row, as in the model) bit
+    for bit as the unfused torch ops do, whole heads and a first share of each (32 of 80),
+    where half the rotated width is a multiple of 16 and where it is not (36)."""
     from types import SimpleNamespace
 
     from cpullm.model_executor.layers.rotary import RotaryEmbedding
 
-    config = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    eager, kernel = RotaryEmbedding(config, 64, 256), RotaryEmbedding(config, 64, 256, ops)
-    positions = torch.tensor([0, 5, 77, 255])
-    qkv = torch.randn(4, (6 + 2 * 2) * 64)  # q and k are strided views, as in the model
-    q, k = qkv[:, :384].view(4, 6, 64), qkv[:, 384:512].view(4, 2, 64)
+    config = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": partial})
+    eager = RotaryEmbedding(config, head_dim, 256)
+    kernel = RotaryEmbedding(config, head_dim, 256, ops)
+    torch.manual_seed(head_dim + tokens)
+    positions = torch.randint(0, 256, (tokens,))
+    positions[0] = 255
+    qkv = torch.randn(tokens, (6 + 2 * 2) * head_dim).to(dtype)
+    q = qkv[:, :6 * head_dim].view(tokens, 6, head_dim)
+    k = qkv[:, 6 * head_dim:8 * head_dim].view(tokens, 2, head_dim)
     expected_q, expected_k = eager(positions, q.clone(), k.clone())
     got_q, got_k = kernel(positions, q, k)
     assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)

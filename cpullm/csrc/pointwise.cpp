@@ -13,32 +13,67 @@ namespace {
 // In place, rotate-half layout: x = x * cos + rotate_half(x) * sin, per head, over the
 // first rotary_dim values of each head (the rest pass through). cos/sin: [max_position,
 // rotary_dim] float32; x: [num_tokens, num_heads, head_dim].
+// Rotates one head's first rotary_dim values; c and s are the token's table rows.
 template <typename T>
-void rotary_one(T* x, int64_t token_stride, const int64_t* positions, const float* cos,
-                const float* sin, int64_t tokens, int64_t heads, int64_t head_dim,
-                int64_t rotary_dim) {
+inline void rotate_head(T* v, const float* c, const float* s, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = to_f(v[i]), x2 = to_f(v[i + half]);
+    // Products rounded as the unfused ops round them, then added.
+    const T a = static_cast<T>(x1 * to_f(static_cast<T>(c[i])));
+    const T b = static_cast<T>(-x2 * to_f(static_cast<T>(s[i])));
+    const T e = static_cast<T>(x2 * to_f(static_cast<T>(c[i + half])));
+    const T f = static_cast<T>(x1 * to_f(static_cast<T>(s[i + half])));
+    v[i] = static_cast<T>(to_f(a) + to_f(b));
+    v[i + half] = static_cast<T>(to_f(e) + to_f(f));
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The same in 16 lanes for bfloat16, rounding at the same places (-round(p) is
+// round(-p) under round-to-nearest-even, so the negated product is subtracted).
+template <>
+inline void rotate_head<c10::BFloat16>(c10::BFloat16* v, const float* c, const float* s,
+                                       int64_t half) {
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 m = half - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (half - i)) - 1);
+    const auto load = [m](const c10::BFloat16* p) {
+      const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    };
+    const auto table = [m](const float* p) { return bf16_round(_mm512_maskz_loadu_ps(m, p)); };
+    const auto store = [m](c10::BFloat16* p, __m512 x) {
+      _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(x));
+    };
+    const __m512 x1 = load(v + i), x2 = load(v + i + half);
+    const __m512 a = bf16_round(_mm512_mul_ps(x1, table(c + i)));
+    const __m512 b = bf16_round(_mm512_mul_ps(x2, table(s + i)));
+    const __m512 e = bf16_round(_mm512_mul_ps(x2, table(c + i + half)));
+    const __m512 f = bf16_round(_mm512_mul_ps(x1, table(s + i + half)));
+    store(v + i, _mm512_sub_ps(a, b));
+    store(v + i + half, _mm512_add_ps(e, f));
+  }
+}
+#endif
+
+// In place, rotate-half layout: x = x * cos + rotate_half(x) * sin, per head, over the
+// first rotary_dim values of each head (the rest pass through), for q and k of each token
+// in one parallel region. cos/sin: [max_position, rotary_dim] float32; q, k: [num_tokens,
+// heads, head_dim].
+template <typename T>
+void rotary_both(T* q, T* k, int64_t q_stride, int64_t k_stride, int64_t q_heads,
+                 int64_t k_heads, int64_t head_dim, const int64_t* positions, const float* cos,
+                 const float* sin, int64_t tokens, int64_t rotary_dim) {
   const int64_t half = rotary_dim / 2;
-  at::parallel_for(0, tokens, grain_for(heads * head_dim), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, grain_for((q_heads + k_heads) * head_dim),
+                   [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos + positions[t] * rotary_dim;
       const float* s = sin + positions[t] * rotary_dim;
-      for (int64_t h = 0; h < heads; ++h) {
-        T* v = x + t * token_stride + h * head_dim;
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = to_f(v[i]), x2 = to_f(v[i + half]);
-          // Products rounded as the unfused ops round them, then added.
-          const T a = static_cast<T>(x1 * to_f(static_cast<T>(c[i])));
-          const T b = static_cast<T>(-x2 * to_f(static_cast<T>(s[i])));
-          const T e = static_cast<T>(x2 * to_f(static_cast<T>(c[i + half])));
-          const T f = static_cast<T>(x1 * to_f(static_cast<T>(s[i + half])));
-          v[i] = static_cast<T>(to_f(a) + to_f(b));
-          v[i + half] = static_cast<T>(to_f(e) + to_f(f));
-        }
-      }
+      for (int64_t h = 0; h < q_heads; ++h) rotate_head(q + t * q_stride + h * head_dim, c, s, half);
+      for (int64_t h = 0; h < k_heads; ++h) rotate_head(k + t * k_stride + h * head_dim, c, s, half);
     }
   });
 }
-
 
 }  // namespace
 
@@ -52,13 +87,14 @@ void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tens
   const int64_t rotary_dim = cos.size(1);
   TORCH_CHECK(rotary_dim % 2 == 0 && rotary_dim <= q.size(2) && sin.sizes() == cos.sizes(),
               "rotary_embedding: tables of an even width up to the head size expected");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && k.size(0) == q.size(0) &&
+              k.size(2) == q.size(2) && positions.numel() == q.size(0),
+              "rotary_embedding: q and k of the same tokens, dtype and head size expected");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary", [&] {
-    rotary_one<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), positions.data_ptr<int64_t>(),
-                         cos.data_ptr<float>(), sin.data_ptr<float>(), q.size(0), q.size(1),
-                         q.size(2), rotary_dim);
-    rotary_one<scalar_t>(k.data_ptr<scalar_t>(), k.stride(0), positions.data_ptr<int64_t>(),
-                         cos.data_ptr<float>(), sin.data_ptr<float>(), k.size(0), k.size(1),
-                         k.size(2), rotary_dim);
+    rotary_both<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), q.stride(0),
+                          k.stride(0), q.size(1), k.size(1), q.size(2),
+                          positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
+                          sin.data_ptr<float>(), q.size(0), rotary_dim);
   });
 }
 

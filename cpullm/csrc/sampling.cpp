@@ -7,30 +7,26 @@
 namespace cpullm {
 
 #if defined(__AVX512F__)
+namespace {
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) { return bf16x16_load(p); }
+
 // One draw per row from softmax(logits[r] / temperature[r]): the first token whose
 // cumulative weight exceeds uniform[r] times the total (inverse-CDF sampling, as
 // searchsorted over a cumulative sum does it, without materializing either).
-// logits: [rows, vocab] float32; temperature, uniform: [rows] float32; returns [rows] int64.
-at::Tensor sample_from_logits(at::Tensor logits, at::Tensor temperature, at::Tensor uniform) {
-  TORCH_CHECK(logits.scalar_type() == at::kFloat && temperature.scalar_type() == at::kFloat &&
-              uniform.scalar_type() == at::kFloat && logits.stride(1) == 1 &&
-              temperature.is_contiguous() && uniform.is_contiguous(),
-              "sample_from_logits: float32 rows expected");
-  const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
-  at::Tensor tokens = at::empty({rows}, at::kLong);
-  const float* lp = logits.data_ptr<float>();
-  const float* tp = temperature.data_ptr<float>();
-  const float* up = uniform.data_ptr<float>();
-  int64_t* out = tokens.data_ptr<int64_t>();
+template <typename T>
+void draw_rows(const T* lp, int64_t stride, int64_t rows, int64_t vocab, const float* tp,
+               const float* up, int64_t* out) {
   const int64_t chunks = vocab / 16;  // full 16-wide chunks; the tail is scalar
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> weights(vocab), chunk_sums(chunks + 1);
     for (int64_t r = begin; r < end; ++r) {
-      const float* x = lp + r * stride;
+      const T* x = lp + r * stride;
       __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      for (int64_t c = 0; c < chunks; ++c) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(x + 16 * c));
+      for (int64_t c = 0; c < chunks; ++c) vmax = _mm512_max_ps(vmax, load16(x + 16 * c));
       float mx = _mm512_reduce_max_ps(vmax);
-      for (int64_t i = chunks * 16; i < vocab; ++i) mx = std::max(mx, x[i]);
+      for (int64_t i = chunks * 16; i < vocab; ++i) mx = std::max(mx, to_f(x[i]));
       const float inv_t = 1.f / tp[r];
       const __m512 vm = _mm512_set1_ps(mx), vinv = _mm512_set1_ps(inv_t);
       const __m512 vninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -38,7 +34,7 @@ at::Tensor sample_from_logits(at::Tensor logits, at::Tensor temperature, at::Ten
       // the scan below reaches it exactly.
       float total = 0.f;
       for (int64_t c = 0; c < chunks; ++c) {
-        const __m512 xv = _mm512_loadu_ps(x + 16 * c);
+        const __m512 xv = load16(x + 16 * c);
         // exp16 clamps its input, so masked tokens (-inf) are zeroed explicitly.
         const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(xv, vninf, _CMP_NEQ_UQ),
                                              exp16(_mm512_mul_ps(_mm512_sub_ps(xv, vm), vinv)));
@@ -48,7 +44,7 @@ at::Tensor sample_from_logits(at::Tensor logits, at::Tensor temperature, at::Ten
       }
       float tail = 0.f;
       for (int64_t i = chunks * 16; i < vocab; ++i) {
-        weights[i] = std::exp((x[i] - mx) * inv_t);
+        weights[i] = std::exp((to_f(x[i]) - mx) * inv_t);
         tail += weights[i];
       }
       chunk_sums[chunks] = tail;
@@ -77,6 +73,26 @@ at::Tensor sample_from_logits(at::Tensor logits, at::Tensor temperature, at::Ten
       out[r] = token >= 0 ? token : last_nonzero;
     }
   });
+}
+
+}  // namespace
+
+// logits: [rows, vocab] float32 or bfloat16 (widened as read: the same draws as from
+// their float32 copy); temperature, uniform: [rows] float32; returns [rows] int64.
+at::Tensor sample_from_logits(at::Tensor logits, at::Tensor temperature, at::Tensor uniform) {
+  TORCH_CHECK((logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16) &&
+              temperature.scalar_type() == at::kFloat && uniform.scalar_type() == at::kFloat &&
+              logits.stride(1) == 1 && temperature.is_contiguous() && uniform.is_contiguous(),
+              "sample_from_logits: float32 or bfloat16 rows expected");
+  const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
+  at::Tensor tokens = at::empty({rows}, at::kLong);
+  const float* tp = temperature.data_ptr<float>();
+  const float* up = uniform.data_ptr<float>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  if (logits.scalar_type() == at::kFloat)
+    draw_rows(logits.data_ptr<float>(), stride, rows, vocab, tp, up, out);
+  else
+    draw_rows(logits.data_ptr<c10::BFloat16>(), stride, rows, vocab, tp, up, out);
   return tokens;
 }
 #endif

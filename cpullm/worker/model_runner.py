@@ -231,7 +231,8 @@ class ModelRunner(RunnerBase):
             logits = self.model.lm_head.gather_logits(logits)
             if logits is None:
                 return output  # the first rank samples
-        logits = logits.float()  # [rows, vocab]
+        # [rows, vocab] in the model's dtype: the sampler widens them where a row needs
+        # float32 (an argmax or the fused draw widens bfloat16 as it reads it)
 
         if rows:
             self._sample([items[i] for i in rows], logits[:len(rows)], output)
@@ -240,7 +241,7 @@ class ModelRunner(RunnerBase):
             chunk = logits[offset:offset + len(flat_index)]
             offset += len(flat_index)
             output.prompt_logprobs[item.request_id] = compute_logprobs(
-                chunk, torch.tensor(targets), item.sampling_params.prompt_logprobs or 0)
+                chunk.float(), torch.tensor(targets), item.sampling_params.prompt_logprobs or 0)
         return output
 
     def _pool(self, items: list[ScheduledRequest], hidden: torch.Tensor,

@@ -54,17 +54,22 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch
                  ) -> tuple[list[int], LogprobsLists | None]:
-        """logits: [rows, vocab] float32. Returns token ids and, if any row asked, logprobs
-        (k = the largest ``logprobs`` asked in the batch; callers trim per row)."""
+        """logits: [rows, vocab] of any float dtype; bfloat16 ones are widened to float32
+        only where a row's processing needs it (an argmax and the fused draw read them as
+        they are, with the same results). Returns token ids and, if any row asked,
+        logprobs (k = the largest ``logprobs`` asked in the batch; callers trim per row)."""
         params = batch.params
+        if logits.dtype != torch.bfloat16:
+            logits = logits.float()
         raw_logits = logits
         if any(p.logit_bias or len(out) < p.min_tokens
                for p, out in zip(params, batch.output_token_ids, strict=True)):
-            logits = self._apply_bias_and_min_tokens(logits.clone(), batch)
+            logits = self._apply_bias_and_min_tokens(logits.to(torch.float32, copy=True),
+                                                     batch)
         logits = self._apply_penalties(logits, batch)
         if batch.allowed is not None:  # structured outputs: the grammar's tokens only
             if logits is raw_logits:
-                logits = logits.clone()
+                logits = logits.to(torch.float32, copy=True)
             rows = batch.guided_rows
             logits[rows] = logits[rows].masked_fill(~batch.allowed, float("-inf"))
 
@@ -79,7 +84,7 @@ class Sampler:
         logprobs = None
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         if wanted:
-            logprobs = compute_logprobs(raw_logits, tokens, max(wanted))
+            logprobs = compute_logprobs(raw_logits.float(), tokens, max(wanted))
         return tokens.tolist(), logprobs
 
     def _apply_bias_and_min_tokens(self, logits: torch.Tensor, batch: SamplingBatch
@@ -101,6 +106,7 @@ class Sampler:
         if all(p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
                and p.frequency_penalty == 0.0 for p in params):
             return logits
+        logits = logits.float()
         rows, vocab = logits.shape
         output_counts = _token_counts(batch.output_token_ids, rows, vocab)
         prompt_seen = _token_counts(batch.prompt_token_ids, rows, vocab) > 0
@@ -139,7 +145,7 @@ def _draw(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor
     """Temperature, top-k, top-p, min-p, then the first token whose cumulative probability
     exceeds the row's uniform number (inverse-CDF: 4 ms instead of 22 ms for exponential
     noise over 128 x 49152 on 2 cores)."""
-    logits = logits / temperature[:, None]
+    logits = logits / temperature[:, None]  # (float32, from bfloat16 logits too)
     # (a top_k past the vocabulary keeps every token; so large, it would not fit a tensor)
     top_k = torch.tensor([min(p.top_k, logits.shape[-1]) for p in params])
     top_p = torch.tensor([p.top_p for p in params])
