@@ -215,6 +215,23 @@ struct NextItemPrefetch {
   }
 };
 
+// The 16 dot products of q (CH chunks of 32) with 16 keys `token_stride` apart, one per
+// lane. The loops have constant bounds, so the 16 sums stay in registers until reduced
+// (with a variable count they went through memory: 6% of the kernel's time from L3).
+template <int CH>
+inline __m512 dots16(const __m512bh* q, const c10::BFloat16* k, int64_t token_stride) {
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) {
+    __m512 a = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int c = 0; c < CH; ++c)
+      a = _mm512_dpbf16_ps(a, q[c], (__m512bh)_mm512_loadu_si512(k + j * token_stride + c * 32));
+    acc[j] = a;
+  }
+  return reduce16(acc);
+}
+
 // scores[g * n + (t - first)] = q_g . k_t * scale for the G query heads of one KV head;
 // the block table is walked a block at a time, 16 tokens per reduction.
 template <int CH>
@@ -238,21 +255,20 @@ void paged_scores_bf16(float* scores, const __m512bh* q, int64_t group, float sc
       for (int64_t j = i + kPrefetchTokens; j < std::min(run, i + m + kPrefetchTokens); ++j)
         prefetch_row(k + j * token_stride, CH * 64);
       for (int64_t j = i; j < i + m; ++j) prefetch_row(v + j * token_stride, CH * 64);
-      for (int64_t g = 0; g < group; ++g) {
-        __m512 acc[16];
+      if (m == 16) {
+        for (int64_t g = 0; g < group; ++g)
+          _mm512_storeu_ps(row + g * n + i, _mm512_mul_ps(
+              dots16<CH>(q + g * CH, k + i * token_stride, token_stride), vscale));
+        continue;
+      }
+      for (int64_t g = 0; g < group; ++g)  // a block's last few tokens
         for (int64_t j = 0; j < m; ++j) {
           const c10::BFloat16* kr = k + (i + j) * token_stride;
           __m512 a = _mm512_setzero_ps();
           for (int c = 0; c < CH; ++c)
             a = _mm512_dpbf16_ps(a, q[g * CH + c], (__m512bh)_mm512_loadu_si512(kr + c * 32));
-          acc[j] = a;
+          row[g * n + i + j] = _mm512_reduce_add_ps(a) * scale;
         }
-        if (m == 16) {
-          _mm512_storeu_ps(row + g * n + i, _mm512_mul_ps(reduce16(acc), vscale));
-        } else {
-          for (int64_t j = 0; j < m; ++j) row[g * n + i + j] = _mm512_reduce_add_ps(acc[j]) * scale;
-        }
-      }
     }
     t += run;
   }
