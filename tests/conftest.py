@@ -162,6 +162,23 @@ def avx2_kernels() -> Any:
     return None if module is None else KernelTable.of(module)
 
 
+def kernels_or_skip(found: object, needs: set[str], what: str) -> None:
+    """Skip a kernel test where the kernel library running here lacks the instruction sets
+    ``needs`` (a CPU without them, or CPULLM_KERNEL_ISA set to a lower level). Where it has
+    them, finding no kernels (``found`` empty or false) fails the test: a build that lost
+    them must not pass for a machine without them."""
+    from cpullm.model_executor.layers.ops import chosen_level
+
+    if found:
+        return
+    level = chosen_level()
+    have = level.needs if level is not None else frozenset()
+    if needs <= have:
+        pytest.fail(f"{what}: the {level.name} kernel library runs here but has none of them")
+    pytest.skip(f"{what} need {', '.join(sorted(needs - have))}, which the kernel library "
+                "running here lacks")
+
+
 def quantized_kernel_runs() -> list[tuple[Any, str]]:
     """(kernel table, kernel) for every quantized kernel this machine can run, forced:
     quantized_kernels()'s, and the AVX2 library's int8 dot products on a CPU that runs a

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import TINY, assert_kept_experts_grouped, hf_greedy
+from conftest import TINY, assert_kept_experts_grouped, hf_greedy, kernels_or_skip
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
@@ -183,8 +183,8 @@ def test_moe_gguf_keeps_its_expert_blocks(family_gguf):
     llm = LLM(str(path), dtype="bfloat16", block_size=32, max_model_len=256)
     model = llm.llm_engine.model_runner.model
     expert = model.model.layers[0].mlp.experts[3]
-    if not QuantizedWeight.kernels_run(expert.down_proj.ops, torch.bfloat16):
-        pytest.skip("no quantized kernels: they need AVX2 (x86) and a kernel build")
+    kernels_or_skip(QuantizedWeight.kernels_run(expert.down_proj.ops, torch.bfloat16),
+                    {"avx2"}, "the quantized kernels")
     assert all(s.quantized is not None for s in expert.down_proj.segments)
     assert_kept_experts_grouped(model.model.layers[0].mlp, model.config.hidden_size)
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=4,

@@ -14,6 +14,7 @@ from conftest import (
     assert_greedy_follows,
     avx2_kernels,
     greedy_outputs,
+    kernels_or_skip,
     quantized_kernel_runs,
     quantized_kernels,
 )
@@ -112,8 +113,7 @@ def test_grouped_kernel_gives_each_weights_product(qtype):
     biases = [torch.randn(n).bfloat16() for _ in weights]
     x = torch.randn(offsets[-1], k).bfloat16()
     tables = {id(table): table for table, kernel in quantized_kernel_runs() if kernel == "int8"}
-    if not tables:
-        pytest.skip("no quantized kernels: they need AVX2 (x86) and a kernel build")
+    kernels_or_skip(tables, {"avx2"}, "the quantized kernels")
     for table in tables.values():
         grouped = torch.empty(offsets[-1], n, dtype=torch.bfloat16)
         QuantizedWeight.matmul_grouped(grouped, x, weights, biases, offsets, table)
@@ -134,8 +134,7 @@ def test_kernels_store_silu_mul_of_a_gate_up_weight(qtype, rows):
 
     ops, kernels = quantized_kernels()
     fusing = [kernel for kernel in kernels if kernel in QuantizedWeight.silu_mul_kernels]
-    if not fusing:
-        pytest.skip("the kernels that store SiLU-mul need AVX-512 BF16 or AMX")
+    kernels_or_skip(fusing, {"avx512_vnni", "avx512_bf16"}, "the kernels that store SiLU-mul")
     n, k = 96, width(qtype)
     weight = RawBlocks(qtype, random_blocks(qtype, n, k, np.random.default_rng(5)),
                        (n, k)).to_weight()
@@ -153,8 +152,7 @@ def test_kernels_store_silu_mul_of_a_gate_up_weight(qtype, rows):
 def test_kernel_writes_into_a_column_slice():
     """A merged layer's segments write their columns of one output."""
     ops, kernels = quantized_kernels()
-    if not kernels:
-        pytest.skip("no quantized kernels: they need AVX2 (x86) and a kernel build")
+    kernels_or_skip(kernels, {"avx2"}, "the quantized kernels")
     rng = np.random.default_rng(4)
     weight = RawBlocks(T.Q4_1, random_blocks(T.Q4_1, 64, 256, rng), (64, 256)).to_weight()
     x = torch.randn(3, 256).bfloat16()
@@ -220,8 +218,7 @@ def test_tiled_kernels_store_silu_mul_and_write_a_column_slice(qtype, rows):
     from cpullm.model_executor.layers.activation import SiluAndMul
 
     ops, kernels = tiled_kernels()
-    if not kernels:
-        pytest.skip("the kernels on 16-row tiles need AVX-512 VNNI and BF16")
+    kernels_or_skip(kernels, {"avx512_vnni", "avx512_bf16"}, "the kernels on 16-row tiles")
     n, k = 96, width(qtype)
     weight = TiledWeight.of(RawBlocks(qtype, random_blocks(
         qtype, n, k, np.random.default_rng(5)), (n, k)).to_weight())
@@ -252,8 +249,8 @@ def test_tiled_kernel_follows_the_cpu(amx, monkeypatch):
     from cpullm.platform.cpu import CpuInfo
 
     ops, kernels = tiled_kernels()
-    if "tiled_int8" not in kernels:
-        pytest.skip("the kernels on 16-row tiles need AVX-512 VNNI and BF16")
+    kernels_or_skip("tiled_int8" in kernels, {"avx512_vnni", "avx512_bf16"},
+                    "the int8 kernels on 16-row tiles")
     weight = TiledWeight.of(RawBlocks(T.Q4_1, random_blocks(
         T.Q4_1, 32, 64, np.random.default_rng(1)), (32, 64)).to_weight())
     monkeypatch.setattr(kept, "amx_tiles_usable", lambda table: amx)
