@@ -71,6 +71,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # where the CPU runs a higher one: runs and measures an older CPU's kernels on a newer
     # one. Unset: the highest this CPU runs.
     "CPULLM_KERNEL_ISA": lambda: os.environ.get("CPULLM_KERNEL_ISA") or None,
+    # cpullm's own: compute lanes of one rank (cpullm/executor/uniproc.py), each a share of
+    # its CPUs running steps of its own share of the requests, overlapping the other lanes'
+    # steps; 1 turns them off. Unset: the platform's choice.
+    "CPULLM_COMPUTE_LANES": lambda: _optional_int("CPULLM_COMPUTE_LANES"),
 }
 
 

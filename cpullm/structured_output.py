@@ -266,6 +266,7 @@ class GuidedDecoding:
         self._consumed: dict[str, int] = {}  # request id -> output tokens its matcher took
         self._loading: concurrent.futures.Future[Any] | None = None
         self._templates: dict[str, Any] = {}  # grammar -> its matcher at the start, kept
+        self._starting = threading.Lock()  # compute lanes may ask for the vocabulary at once
 
     def warm(self) -> None:
         """Read the vocabulary (0.6-1 s) in a thread now, while the engine starts, not in
@@ -273,9 +274,10 @@ class GuidedDecoding:
         Not a daemon thread: a process that ends sooner (a short offline run) waits for it,
         since a thread still in the tokenizer's native code while the interpreter shuts
         down can crash it (SIGSEGV at exit)."""
-        if self._loading is None:
-            self._loading = concurrent.futures.Future()
-            threading.Thread(target=self._load, name="grammar-vocabulary").start()
+        with self._starting:
+            if self._loading is None:
+                self._loading = concurrent.futures.Future()
+                threading.Thread(target=self._load, name="grammar-vocabulary").start()
 
     def _load(self) -> None:
         assert self._loading is not None
@@ -286,9 +288,10 @@ class GuidedDecoding:
 
     @property
     def _tokenizer(self) -> Any:
-        if self._loading is None:
-            self._loading = concurrent.futures.Future()
-            self._load()
+        with self._starting:
+            if self._loading is None:
+                self._loading = concurrent.futures.Future()
+                self._load()
         return self._loading.result()
 
     def _new_matcher(self, grammar: str) -> Any:

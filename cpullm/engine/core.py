@@ -80,8 +80,7 @@ class EngineCore:
         torch.manual_seed(config.model.seed)
         self.scheduler = Scheduler(config.scheduler, config.cache)
         self.executor: Executor = create_executor(config, eos_token_ids)
-        # steps in flight at once: one per pipeline stage
-        self.pipeline_depth = config.parallel.pipeline_parallel_size
+        # steps submitted and not collected (pipeline stages, compute lanes), oldest first
         self._in_flight: deque[SchedulerOutput] = deque()
         self.last_step_num_tokens = 0  # prompt and output tokens computed by the last step
 
@@ -104,16 +103,18 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         scheduler = self.scheduler
-        if self.pipeline_depth == 1:
+        unfinished = len(scheduler.running) + len(scheduler.waiting)
+        depth = self.executor.steps_in_flight(unfinished)
+        if depth == 1 and not self._in_flight:
             # 1. Schedule. 2. One forward pass and sampling.
             scheduler_output = scheduler.schedule()
             runner_output = self.executor.execute_model(scheduler_output)
         else:
-            # Pipeline parallelism: keep a step in flight per stage while there are
-            # requests no step in flight holds, each step with an even share of the
-            # requests, then wait for the oldest.
-            share = cdiv(len(scheduler.running) + len(scheduler.waiting), self.pipeline_depth)
-            while len(self._in_flight) < self.pipeline_depth:
+            # Pipeline parallelism, compute lanes: keep a step in flight per stage or lane
+            # while there are requests no step in flight holds, each step with an even
+            # share of the requests, then wait for the oldest.
+            share = cdiv(unfinished, depth)
+            while len(self._in_flight) < depth:
                 scheduler_output = scheduler.schedule(max_seqs=share)
                 if not scheduler_output.scheduled:
                     scheduler.finished_request_ids |= scheduler_output.finished_request_ids

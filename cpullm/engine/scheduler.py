@@ -8,9 +8,11 @@ prompt chunks share a step. When a running request cannot get a KV block, the ne
 running request is preempted: its blocks are freed and it is recomputed later from its
 prompt and output so far, which gives the same tokens as an uninterrupted run.
 
-Under pipeline parallelism several steps are in flight at once (one per stage): a request
-scheduled in one is not scheduled again, nor preempted, until that step's output returns
-(``in_flight``), so the next steps take the other requests.
+Under pipeline parallelism and with compute lanes several steps are in flight at once (one
+per stage or lane): a request scheduled in one is not scheduled again, nor preempted, until
+that step's output returns (``in_flight``), so the next steps take the other requests. A
+request that ends while a step in flight holds it (an abort) keeps its KV blocks until
+that step returns, since the step still writes them.
 
 An encoder's inputs (``SchedulerConfig.whole_inputs``) are scheduled whole, as the token
 budget allows, with no KV blocks, and end in the step that computes them.
@@ -41,6 +43,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.finished_request_ids: set[str] = set()
         self.in_flight: set[str] = set()  # scheduled in a step whose output is not back yet
+        self._free_on_return: dict[str, Request] = {}  # ended while in flight (an abort)
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
@@ -162,6 +165,9 @@ class Scheduler:
         updated = []
         for item in output.scheduled:
             self.in_flight.discard(item.request_id)
+            ended = self._free_on_return.pop(item.request_id, None)
+            if ended is not None:
+                self.kv_cache_manager.free(ended)
             request = self.requests.get(item.request_id)
             if request is None:
                 continue  # finished (aborted) while its step was in flight
@@ -202,6 +208,9 @@ class Scheduler:
         assert request.status.finished
         if request in self.running:
             self.running.remove(request)
-        self.kv_cache_manager.free(request)
+        if request.request_id in self.in_flight:
+            self._free_on_return[request.request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_request_ids.add(request.request_id)

@@ -70,6 +70,7 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig, eos_token_ids: set[int]) -> None:
         parallel = config.parallel
         self.world_size = parallel.world_size
+        self.stages = parallel.pipeline_parallel_size
         self.output_rank = distributed.RankLayout(parallel.tensor_parallel_size,
                                                   parallel.pipeline_parallel_size).output_rank
         host = parallel.master_addr
@@ -146,6 +147,9 @@ class MultiprocExecutor:
             message = pickle.loads(self._output.recv())
             if message[0] == "error":
                 self._raise(message)
+
+    def steps_in_flight(self, num_requests: int) -> int:
+        return self.stages  # one per pipeline stage
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.submit(scheduler_output)

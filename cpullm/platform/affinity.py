@@ -30,6 +30,9 @@ def bind_compute_threads(cpus: list[int], ops: KernelTable | None) -> list[int]:
     Must run on the thread that executes the model: OpenMP keeps a thread pool per calling
     thread. Returns the CPU each pool thread got (-1 where the kernel refused).
     """
+    # torch sizes a thread's pool once, lazily, from the process-wide count that the last
+    # binding of any thread set: let it do so now, so that this thread keeps its own size.
+    torch.get_num_threads()
     if ops is not None:
         return list(ops.bind_threads(cpus))
     # Without the compiled helper the pool threads cannot be reached one by one: size the

@@ -90,8 +90,9 @@ class RunnerBase:
         binding = self._binding()
         if binding is not None:  # weights and KV cache on the NUMA node of the compute threads
             prefer_local_memory(*binding)
-        self._bound_thread: int | None = None
-        self._caller_affinity: set[int] | None = None  # of the bound thread, before binding
+        # per thread that steps the engine: whether its pool is pinned, its affinity before,
+        # and a compute lane's generator (executor/uniproc.py)
+        self._bound = threading.local()
 
     def _binding(self) -> tuple[CpuTopology, list[int]] | None:
         """The topology and the CPUs this rank's compute threads are pinned to; None when
@@ -102,18 +103,29 @@ class RunnerBase:
         local = self.layout.rank - parallel.local_ranks.start  # this host's plan
         return parallel.topology, list(parallel.binding.rank_cpus[local])
 
-    def bind_threads(self) -> None:
+    def bound_cpus(self) -> list[int] | None:
+        """The CPUs of this rank's compute threads; None when unbound."""
+        binding = self._binding()
+        return None if binding is None else binding[1]
+
+    def bind_threads(self, cpus: list[int] | None = None,
+                     generator: torch.Generator | None = None) -> None:
         """Pin the compute threads of the calling thread, the one that runs the model
         (OpenMP keeps one pool per calling thread, so ``execute`` calls this on the first
-        step of each thread that steps the engine)."""
-        if self._bound_thread == threading.get_ident():
+        step of each thread that steps the engine). A compute lane's thread is pinned to its
+        share of the CPUs (``cpus``) and draws its unseeded requests' random numbers from
+        its own ``generator``, so that they do not depend on how the lanes' steps
+        interleave."""
+        if getattr(self._bound, "done", False):
             return
-        self._bound_thread = threading.get_ident()
+        self._bound.done = True
+        self._bound.generator = generator
         binding = self._binding()
         if binding is None:
             return
-        topology, cpus = binding
-        self._caller_affinity = os.sched_getaffinity(0)
+        topology, all_cpus = binding
+        cpus = all_cpus if cpus is None else cpus
+        self._bound.affinity = os.sched_getaffinity(0)
         got = bind_compute_threads(cpus, load_ops())
         prefer_local_memory(topology, cpus)
         logger.info("Compute threads pinned: %s", ", ".join(
@@ -123,12 +135,13 @@ class RunnerBase:
         """Give the thread that ran the model its CPUs back (``LLM.generate`` calls this as
         it returns, so that the caller, and a second engine it plans, are not left on one
         CPU); the next step on it pins it again."""
-        if self._bound_thread != threading.get_ident():
+        if not getattr(self._bound, "done", False):
             return
-        self._bound_thread = None
-        if self._caller_affinity is not None:
-            os.sched_setaffinity(0, self._caller_affinity)
-            self._caller_affinity = None
+        self._bound.done = False
+        affinity = getattr(self._bound, "affinity", None)
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)
+            self._bound.affinity = None
 
 
 class ModelRunner(RunnerBase):
@@ -401,4 +414,5 @@ class ModelRunner(RunnerBase):
         return SamplingBatch(params=[r.sampling_params for r in items],
                              prompt_token_ids=[r.prompt_token_ids for r in items],
                              output_token_ids=[r.output_token_ids for r in items],
-                             generators=generators)
+                             generators=generators,
+                             generator=getattr(self._bound, "generator", None))

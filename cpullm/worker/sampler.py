@@ -38,6 +38,8 @@ class SamplingBatch:
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]
     generators: list[torch.Generator | None]
+    # the other rows' generator (a compute lane's); None: torch's default one
+    generator: torch.Generator | None = None
     # structured outputs: the guided rows and their allowed tokens [guided, vocab] (bool)
     guided_rows: list[int] = field(default_factory=list)
     allowed: torch.Tensor | None = None
@@ -121,7 +123,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         params = batch.params
         # One uniform number per row, a seeded request's from its own generator.
-        uniform = torch.rand(len(params))
+        uniform = torch.rand(len(params), generator=batch.generator)
         for row, generator in enumerate(batch.generators):
             if generator is not None:
                 uniform[row] = torch.rand(1, generator=generator)

@@ -122,17 +122,21 @@ def test_invalid_specs(tmp_path, name, spec, kwargs, message):
         plan_binding(machine(tmp_path, name), spec, **kwargs)
 
 
-def test_real_machine_threads_pinned_to_plan(tiny_model):
+def test_real_machine_threads_pinned_to_plan(tiny_model, monkeypatch):
     from cpullm import LLM, SamplingParams
     from cpullm.platform.affinity import thread_affinities
 
+    monkeypatch.setenv("CPULLM_COMPUTE_LANES", "1")  # no lane threads pinned beside the pool
     llm = LLM(str(tiny_model("llama")), dtype="float32", block_size=32)
     plan = llm.llm_engine.config.parallel.binding
     assert plan.mode == "auto"
     llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)
     runner = llm.llm_engine.model_runner
     runner.bind_threads()  # as generate does before its steps (it releases the caller after)
-    pinned = [cpus for cpus in thread_affinities().values() if len(cpus) == 1]
-    # one compute thread on each planned CPU, read back from the kernel
-    assert sorted(c[0] for c in pinned if c[0] in plan.rank_cpus[0]) == sorted(plan.rank_cpus[0])
-    runner.release_calling_thread()
+    try:
+        pinned = [cpus for cpus in thread_affinities().values() if len(cpus) == 1]
+        # one compute thread on each planned CPU, read back from the kernel
+        assert sorted(c[0] for c in pinned if c[0] in plan.rank_cpus[0]) == \
+            sorted(plan.rank_cpus[0])
+    finally:  # this thread's CPUs back, or every later test sees one CPU
+        runner.release_calling_thread()
