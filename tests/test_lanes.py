@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import hf_greedy
-from test_parallel import GREEDY, NUM_NEW_TOKENS, make_prompts
+from test_parallel import GREEDY, NUM_NEW_TOKENS, make_prompts, step_to_the_end
 
 from cpullm import LLM, SamplingParams
 from cpullm.executor import uniproc
@@ -93,13 +93,7 @@ def test_abort_while_in_flight_on_a_lane(lanes, tiny_model):
         assert free_before < kv.pool.num_blocks
         engine.abort_request(victim)
         assert victim in scheduler._free_on_return and kv.num_free_blocks == free_before
-        finished = {}
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.finished:
-                    finished[output.request_id] = output.outputs[0].token_ids
-        while core.has_unfinished_requests():  # the aborted request's step, if still out
-            core.step()
+        finished = step_to_the_end(engine)
         assert kv.num_free_blocks == kv.pool.num_blocks and not scheduler._free_on_return
         expected = hf_greedy(model, prompts, NUM_NEW_TOKENS)
         assert set(finished) == {str(i) for i in range(len(prompts))} - {victim}

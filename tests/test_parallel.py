@@ -43,6 +43,19 @@ def generate(model: str, prompts: list[list[int]], params: SamplingParams = GREE
         llm.llm_engine.shutdown()
 
 
+def step_to_the_end(engine) -> dict[str, list[int]]:
+    """Step ``engine`` until every request and every step in flight is done (an aborted
+    request's step too); the token ids of each request that finished."""
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs[0].token_ids
+    while engine.core.has_unfinished_requests():  # the aborted request's step, if still out
+        engine.core.step()
+    return finished
+
+
 SIZES = {"tp2": dict(tensor_parallel_size=2), "pp2": dict(pipeline_parallel_size=2)}
 
 
@@ -119,13 +132,7 @@ def test_pipeline_keeps_steps_in_flight_and_survives_aborts(tiny_model):
         assert core.scheduler.in_flight == second == {"2"}
         victim = "2"
         engine.abort_request(victim)
-        finished = {}
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.finished:
-                    finished[output.request_id] = output.outputs[0].token_ids
-        while core.has_unfinished_requests():  # the aborted request's step, if still out
-            core.step()
+        finished = step_to_the_end(engine)
         kv = core.scheduler.kv_cache_manager
         assert kv.num_free_blocks == kv.pool.num_blocks and not core.scheduler.in_flight
         expected = hf_greedy(model, prompts, NUM_NEW_TOKENS)
