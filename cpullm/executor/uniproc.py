@@ -38,6 +38,9 @@ logger = init_logger(__name__)
 
 # requests per lane below which steps run one at a time on all the CPUs
 LANE_MIN_REQUESTS = 32
+# the most CPUs a rank has for lanes to be on by default: measured on 2; with many cores a
+# lane's GEMMs of 32-64 rows are bound by the weights' reads, which two lanes would double
+AUTO_LANES_MAX_CPUS = 4
 
 
 class Executor(Protocol):
@@ -129,9 +132,10 @@ class UniProcExecutor:
 def lane_cpus(config: EngineConfig, cpus: list[int] | None) -> list[list[int]]:
     """The CPUs of each compute lane of a rank bound to ``cpus`` (None: unbound, which has
     no lanes), or no lanes. ``CPULLM_COMPUTE_LANES`` asks for a number (1: none; at most one
-    per CPU); unset, two lanes where the compiled kernels run on two CPUs or more without
-    AMX tiles. (With AMX tiles a batch's GEMMs are bound by the weights' reads well past 64
-    rows, and two lanes would read the weights twice; lanes wait there for a measurement.)"""
+    per CPU); unset, two lanes where the compiled kernels run on 2 to
+    ``AUTO_LANES_MAX_CPUS`` CPUs without AMX tiles. (With AMX tiles, or many cores, a
+    batch's GEMMs are bound by the weights' reads well past 64 rows, and two lanes would
+    read the weights twice; lanes wait there for a measurement.)"""
     asked = envs.CPULLM_COMPUTE_LANES
     if asked is not None and asked < 1:
         raise ValueError(f"CPULLM_COMPUTE_LANES must be >= 1, got {asked}")
@@ -142,7 +146,8 @@ def lane_cpus(config: EngineConfig, cpus: list[int] | None) -> list[list[int]]:
         return []
     if asked is None:
         ops = None if config.model.enforce_eager else load_ops()
-        asked = 2 if ops is not None and not amx_tiles_usable(ops) else 1
+        asked = 2 if (ops is not None and not amx_tiles_usable(ops)
+                      and len(cpus) <= AUTO_LANES_MAX_CPUS) else 1
     lanes = min(asked, len(cpus))
     if lanes == 1:
         return []
