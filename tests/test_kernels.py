@@ -270,6 +270,32 @@ def test_tied_table_reads_its_rows_from_the_head_panels(hidden):
 
 
 @needs_bf16
+@pytest.mark.parametrize("rows", [15, 16, 300])
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_gemm_of_rows_4k_apart_equals_the_same_rows_elsewhere(rows, silu_mul):
+    """Rows of x a multiple of 4 KiB apart (a hidden size of 2048; from 16 rows the GEMM
+    runs them on a copy with the rows further apart): the same bits as the same rows
+    lying elsewhere, contiguous or in a wider tensor, and the float32 product."""
+    torch.manual_seed(rows)
+    k, n = 2048, 64
+    weight = torch.randn(n, k, dtype=torch.bfloat16) / 48
+    panels = weight.view(n // 32, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    x = torch.randn(rows, k, dtype=torch.bfloat16)
+    elsewhere = torch.empty(rows, k + 64, dtype=torch.bfloat16)[:, :k]
+    wider = torch.empty(rows, 2 * k, dtype=torch.bfloat16)[:, :k]
+    width = n // 2 if silu_mul else n
+    outs = []
+    for rows_of_x in (x, elsewhere, wider):
+        rows_of_x.copy_(x)
+        outs.append(torch.empty(rows, width, dtype=torch.bfloat16))
+        ops.gemm_bf16(outs[-1], rows_of_x, panels, None, silu_mul)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[1])
+    if not silu_mul:
+        expected = F.linear(x.float(), weight.float())
+        assert torch.allclose(outs[0].float(), expected, atol=0.05, rtol=0.02)
+
+
+@needs_bf16
 @pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("rows", [1, 13, 300])
 @pytest.mark.parametrize("intermediate", [1536, 1544])

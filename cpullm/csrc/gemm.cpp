@@ -31,11 +31,12 @@ void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at
   static const GemmTiles tables[2][2] = {
       {gemm_tiles<false, false>(Rows{}), gemm_tiles<false, true>(Rows{})},
       {gemm_tiles<true, false>(Rows{}), gemm_tiles<true, true>(Rows{})}};
-  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  const at::Tensor xs = rows_apart(x);
+  const c10::BFloat16* xp = xs.data_ptr<c10::BFloat16>();
   const c10::BFloat16* wp = panels.data_ptr<c10::BFloat16>();
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const int64_t ldx = x.stride(0), panel_size = k2 * 64;
+  const int64_t ldx = xs.stride(0), panel_size = k2 * 64;
   at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < m; r0 += kGemmBlockRows) {
       const int64_t r1 = std::min(m, r0 + kGemmBlockRows);

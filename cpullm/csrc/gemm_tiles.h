@@ -15,6 +15,19 @@ namespace cpullm {
 constexpr int kGemmRows = 12;
 constexpr int64_t kGemmBlockRows = 264;  // rows of x a thread keeps in L2 across its panels
 
+// x, or where its rows lie a multiple of 4 KiB apart (a hidden size of 2048, 4096, ...) and
+// there are enough of them, a copy of x with its rows 64 bytes further apart. Rows 4 KiB
+// apart fall in one set of L1 (8 ways): a tile's 12 rows evict each other at every k step.
+// Measured on Zen 4, one thread, the 1B Llama's four layer shapes: 10-17% faster at 4096
+// rows, 12-20% at 128, 2-10% at 32, none at 8 (the copy's cost is less than 1%).
+inline at::Tensor rows_apart(const at::Tensor& x) {
+  constexpr int64_t kFromRows = 16;
+  if (x.size(0) < kFromRows || x.stride(0) * x.element_size() % 4096 != 0) return x;
+  at::Tensor copy = at::empty({x.size(0), x.size(1) + 32}, x.options()).narrow(1, 0, x.size(1));
+  copy.copy_(x);
+  return copy;
+}
+
 // silu(gate) * up of 16 gate and 16 up sums (bias included), rounded where
 // silu_and_mul_bf16 rounds; the product's own rounding is the store's.
 inline __m512 silu_mul16(__m512 gate_sum, __m512 up_sum) {
@@ -92,10 +105,11 @@ void gemm_on_panels(at::Tensor& out, const at::Tensor& x, int64_t n,
   static const GemmTiles fused = gemm_tiles<false, true>(std::make_integer_sequence<int, kGemmRows>{});
   const GemmTiles& tiles = silu_mul ? fused : plain;
   const int64_t m = x.size(0), k = x.size(1), width = silu_mul ? 16 : 32;
-  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  const at::Tensor xs = rows_apart(x);
+  const c10::BFloat16* xp = xs.data_ptr<c10::BFloat16>();
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const int64_t ldx = x.stride(0), ldo = out.stride(0);
+  const int64_t ldx = xs.stride(0), ldo = out.stride(0);
   at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> panel(16 * k);  // [k / 2][32] pairs
     auto* pp = reinterpret_cast<const c10::BFloat16*>(panel.data());

@@ -95,7 +95,7 @@ class UniProcExecutor:
                         "flight per lane", len(shares),
                         " | ".join(",".join(map(str, c)) for c in shares),
                         len(shares) * LANE_MIN_REQUESTS)
-        self._turn = itertools.cycle(self._lanes)
+        self._turn = itertools.cycle(range(len(self._lanes)))
         self.lane_steps = [0] * len(self._lanes)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -108,8 +108,9 @@ class UniProcExecutor:
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         # In turn: the steps in flight (at most one per lane) are on distinct lanes.
         lane = next(self._turn)
-        self.lane_steps[self._lanes.index(lane)] += 1
-        self._in_flight.append(lane.submit(self.model_runner.execute, scheduler_output))
+        self.lane_steps[lane] += 1
+        self._in_flight.append(self._lanes[lane].submit(self.model_runner.execute,
+                                                         scheduler_output))
 
     def collect(self) -> ModelRunnerOutput:
         return self._in_flight.popleft().result()
