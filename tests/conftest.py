@@ -179,6 +179,28 @@ def kernels_or_skip(found: object, needs: set[str], what: str) -> None:
                 "running here lacks")
 
 
+def amx_or_skip(usable: bool, flag: str, what: str) -> None:
+    """Skip an AMX kernel test where the CPU lacks ``flag``, the AVX-512 BF16 library (which
+    holds the AMX kernels) is not the one running, or the OS withholds the tile state from
+    this process; where all of them hold and the kernel still does not run (``usable``
+    false), fail: a build that lost the AMX kernels must not pass for a CPU without AMX."""
+    from cpullm.model_executor.layers.ops import chosen_level, load_ops
+    from cpullm.platform.cpu import cpu_info
+
+    if usable:
+        return
+    if flag not in cpu_info().flags:
+        pytest.skip(f"{what} needs {flag}, which this CPU lacks")
+    level = chosen_level()
+    if level is None or level.name != "avx512_bf16":
+        pytest.skip(f"{what} is in the avx512_bf16 kernel library, not the one running here")
+    ops = load_ops()
+    if ops is not None and ops.amx_bf16_ready is not None and not ops.amx_bf16_ready():
+        pytest.skip("the OS withholds the AMX tile state from this process")
+    pytest.fail(f"{what}: this CPU has {flag} and runs the avx512_bf16 library, but the "
+                "kernel is missing")
+
+
 def quantized_kernel_runs() -> list[tuple[Any, str]]:
     """(kernel table, kernel) for every quantized kernel this machine can run, forced:
     quantized_kernels()'s, and the AVX2 library's int8 dot products on a CPU that runs a

@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
+from cpullm.model_executor.layers.ops import ISA_LEVELS
 from cpullm.model_executor.layers.quantization.gguf import RawBlocks
 from cpullm.model_executor.layers.quantization.gguf_blocks import (
     KEPT_TYPES,
@@ -32,6 +33,7 @@ from cpullm.model_executor.layers.quantization.gguf_blocks import (
     unpack,
 )
 from cpullm.model_executor.layers.quantization.kept import QuantizedWeight, TiledWeight
+from cpullm.platform.cpu import cpu_info
 from cpullm.transformers_utils import resolve_model
 
 LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
@@ -397,8 +399,10 @@ def test_mixed_types_on_the_avx2_kernels(mixed_gguf, monkeypatch):
     from cpullm.model_executor.layers import ops as ops_py
 
     if avx2_kernels() is None:
-        pytest.skip("the AVX2 library needs an x86 CPU with AVX2, FMA and F16C, built by "
-                    "the install (make setup) from the sources as they are")
+        if ISA_LEVELS[0].needs <= cpu_info().flags:
+            pytest.fail("this CPU runs the AVX2 library, but the install did not build it "
+                        "from the sources as they are (make setup)")
+        pytest.skip("the AVX2 library needs an x86 CPU with AVX2, FMA and F16C")
     _, exact = greedy_outputs(mixed_gguf, "float32")
     monkeypatch.setenv("CPULLM_KERNEL_ISA", "avx2")
     ops_py.load_ops.cache_clear()

@@ -15,11 +15,13 @@ from conftest import (
     assert_greedy_follows,
     assert_kept_experts_grouped,
     hf_greedy,
+    kernels_or_skip,
     quantized_kernels,
 )
 from safetensors.torch import load_file, save_file
 
 from cpullm import LLM, SamplingParams
+from cpullm.model_executor.layers.ops import ISA_LEVELS
 from cpullm.model_executor.layers.quantization.mxfp4 import Mxfp4Scheme
 
 FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -116,8 +118,8 @@ def test_mxfp4_experts_kept_quantized_in_bfloat16(tmp_path, tiny_model):
     from cpullm.model_executor.layers.quantization.kept import QuantizedWeight
 
     ops, _ = quantized_kernels()
-    if not QuantizedWeight.kernels_run(ops, torch.bfloat16):
-        pytest.skip("no quantized kernels on this CPU: bfloat16 runs dequantized weights")
+    kernels_or_skip(QuantizedWeight.kernels_run(ops, torch.bfloat16), set(ISA_LEVELS[0].needs),
+                    "the quantized kernels")
     reference, packed, _ = mxfp4_checkpoint(tmp_path, tiny_model)
     exact = LLM(str(reference), dtype="float32", block_size=32).generate(
         PROMPTS, GREEDY, use_tqdm=False)

@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import (
     GREEDY_PROMPTS,
+    amx_or_skip,
     assert_greedy_follows,
     greedy_outputs,
     hf_greedy,
@@ -462,8 +463,7 @@ def test_amx_int8_kernel_matches_per_token_reference(n, k, rows):
     and the kernel's output (VNNI up to 8 rows, tiles above; 16-row tails of W, K of 9 and
     10 steps, two blocks of tokens at K = 2048) equals x quantized per token times W,
     computed exactly, to the output's bfloat16 rounding."""
-    if not _amx_int8_runs():
-        pytest.skip("the AMX-INT8 kernel needs AMX tiles and a build with AVX-512 BF16")
+    amx_or_skip(_amx_int8_runs(), "amx_int8", "the AMX-INT8 kernel")
     ops, _ = quantized_kernels()
     groups = random_groups(n, k, 8, k, True)
     groups.per_token = True

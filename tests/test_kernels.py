@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import amx_or_skip
 
 from cpullm.model_executor.layers.ops import amx_tiles_usable, load_ops
 from cpullm.platform import cpu_info
@@ -38,9 +39,9 @@ def test_kernels_build():
 @pytest.mark.parametrize("kernel", ["decode_attention", "decode_attention_amx"])
 def test_decode_attention_matches_sdpa(kernel, dtype, heads, kv_heads, dim, window, softcap,
                                        sinks):
-    if kernel == "decode_attention_amx" and not (ops.decode_attention_amx is not None
-                                                 and amx_tiles_usable(ops)):
-        pytest.skip("the AMX decode attention needs AMX-BF16 tiles")
+    if kernel == "decode_attention_amx":
+        amx_or_skip(ops.decode_attention_amx is not None and amx_tiles_usable(ops), "amx_bf16",
+                    "the AMX decode attention")
     torch.manual_seed(0)
     seqs, block, blocks = 5, 32, 40
     key_cache = torch.randn(blocks, block, kv_heads, dim, dtype=dtype)
