@@ -107,7 +107,8 @@ def test_kernels_match_dequantized_reference(qtype, rows):
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0], ids=lambda t: t.name)
 def test_grouped_kernel_gives_each_weights_product(qtype):
     """quant_gemm_grouped (a mixture's experts in one call), in every build this machine
-    runs: each run of rows, an empty one too, gets bit for bit what its own weight gives."""
+    runs: each run of rows, an empty one too, gets bit for bit what its own weight gives,
+    and the same where x is a view of wider rows (a mixture's gathered tokens may be)."""
     rng = np.random.default_rng(6)
     n, k, offsets = 64, 576, [0, 3, 3, 12, 13]
     weights = [RawBlocks(qtype, random_blocks(qtype, n, k, rng), (n, k)).to_weight()
@@ -124,6 +125,11 @@ def test_grouped_kernel_gives_each_weights_product(qtype):
             alone = torch.empty(offsets[i + 1] - offsets[i], n, dtype=torch.bfloat16)
             weight.matmul_into(alone, x[rows], biases[i], table, kernel="int8")
             assert torch.equal(grouped[rows], alone), (table.isa, i)
+        wide = torch.empty(offsets[-1], k + 32, dtype=torch.bfloat16)[:, :k]
+        wide.copy_(x)
+        from_wide = torch.empty(offsets[-1], n, dtype=torch.bfloat16)
+        QuantizedWeight.matmul_grouped(from_wide, wide, weights, biases, offsets, table)
+        assert torch.equal(from_wide, grouped), table.isa
 
 
 @pytest.mark.parametrize("rows", [1, 5, 21, 300])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -294,6 +295,33 @@ def test_gemm_of_rows_4k_apart_equals_the_same_rows_elsewhere(rows, silu_mul):
     if not silu_mul:
         expected = F.linear(x.float(), weight.float())
         assert torch.allclose(outs[0].float(), expected, atol=0.05, rtol=0.02)
+
+
+@needs_bf16
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_grouped_gemm_on_views_of_wider_rows(silu_mul):
+    """gemm_bf16_grouped reads x and writes out where each is a view of wider rows (a
+    mixture's gathered tokens, laid 64 bytes further apart than 4 KiB): the same bits as on
+    contiguous rows, and out's columns past the view untouched."""
+    torch.manual_seed(7)
+    k, n, counts = 2048, 64, [20, 3, 33]
+    weights = [torch.randn(n, k, dtype=torch.bfloat16) / 48 for _ in counts]
+    panels = [w.view(n // 32, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous() for w in weights]
+    offsets = [0, *itertools.accumulate(counts)]
+    x = torch.randn(offsets[-1], k, dtype=torch.bfloat16)
+    width = n // 2 if silu_mul else n
+    contiguous = torch.empty(offsets[-1], width, dtype=torch.bfloat16)
+    ops.gemm_bf16_grouped(contiguous, x, panels, offsets, silu_mul)
+    wide_x = torch.empty(offsets[-1], k + 32, dtype=torch.bfloat16)[:, :k]
+    wide_x.copy_(x)
+    wide_out = torch.full((offsets[-1], width + 32), 7.0, dtype=torch.bfloat16)
+    ops.gemm_bf16_grouped(wide_out[:, :width], wide_x, panels, offsets, silu_mul)
+    assert torch.equal(wide_out[:, :width], contiguous)
+    assert bool((wide_out[:, width:] == 7.0).all())
+    for weight_panels, start, end in zip(panels, offsets, offsets[1:], strict=False):
+        alone = torch.empty(end - start, width, dtype=torch.bfloat16)
+        ops.gemm_bf16(alone, x[start:end].contiguous(), weight_panels, None, silu_mul)
+        assert torch.equal(contiguous[start:end], alone)
 
 
 @needs_bf16

@@ -60,7 +60,9 @@ void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at
 // those rows of x times weight g, as gemm_bf16 computes them (the same tiles, so the same
 // bits). Every (weight, panel) of the call is one item of a single parallel loop: a decode
 // step's few rows per expert keep every thread busy across experts, with one call from
-// Python per projection instead of one per expert.
+// Python per projection instead of one per expert. x and out may be views of wider rows:
+// the caller lays rows that would lie a multiple of 4 KiB apart 64 bytes further apart, as
+// rows_apart (gemm_tiles.h) copies the x of gemm_bf16, but without the copy.
 void gemm_bf16_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> panels,
                        std::vector<int64_t> offsets, bool silu_mul) {
   const int64_t groups = static_cast<int64_t>(panels.size());
@@ -68,8 +70,8 @@ void gemm_bf16_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> pan
               offsets[0] == 0 && offsets[groups] == x.size(0),
               "gemm_bf16_grouped: offsets [0, ..., rows] expected, one more than weights");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
-              x.dim() == 2 && x.stride(1) == 1 && x.stride(0) % 2 == 0 && out.is_contiguous(),
-              "gemm_bf16_grouped: bfloat16 rows of x and a contiguous out expected");
+              x.dim() == 2 && x.stride(1) == 1 && x.stride(0) % 2 == 0 && out.dim() == 2 &&
+              out.stride(1) == 1, "gemm_bf16_grouped: bfloat16 rows of x and of out expected");
   const at::Tensor& first = panels[0];
   for (const at::Tensor& w : panels)
     TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 4 &&
@@ -87,7 +89,7 @@ void gemm_bf16_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> pan
   for (int64_t g = 0; g < groups; ++g) weights[g] = panels[g].data_ptr<c10::BFloat16>();
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const int64_t ldx = x.stride(0), panel_size = k2 * 64;
+  const int64_t ldx = x.stride(0), ldo = out.stride(0), panel_size = k2 * 64;
   at::parallel_for(0, groups * num_panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / num_panels, p = item % num_panels;
@@ -100,7 +102,7 @@ void gemm_bf16_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> pan
         const int64_t rows = std::min<int64_t>(kGemmRows, offsets[g + 1] - r);
         const GemmTiles& table = tables[r == offsets[g] && more][silu_mul];
         table[rows - 1](xp + r * ldx, ldx, panel, k2, nullptr,
-                        op + r * width + p * panel_width, width, next);
+                        op + r * ldo + p * panel_width, ldo, next);
       }
     }
   });

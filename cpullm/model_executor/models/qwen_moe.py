@@ -29,6 +29,7 @@ from cpullm import distributed
 from cpullm.model_executor.layers.linear import LinearBase, ReplicatedLinear
 from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import QuantizationConfig
+from cpullm.model_executor.layers.quantization.dense import empty_rows
 from cpullm.model_executor.layers.quantization.kept import VNNI_MAX_ROWS, QuantizedWeight
 from cpullm.model_executor.models.llama import (
     LlamaDecoderLayer,
@@ -117,22 +118,24 @@ class SparseMoE(nn.Module):
         order = torch.argsort(experts.flatten(), stable=True)
         tokens = order // self.top_k
         counts = torch.bincount(experts.flatten(), minlength=self.num_experts).tolist()
-        rows = x[tokens]  # [tokens * k, hidden]
+        longest = max(counts)
+        rows = torch.index_select(x, 0, tokens, out=empty_rows(  # [tokens * k, hidden]
+            len(tokens), x.shape[-1], x, longest))
         gate_ups, downs, own_rows = self.grouped
-        if gate_ups and max(counts) <= own_rows:
+        if gate_ups and longest <= own_rows:
             chosen = [e for e, count in enumerate(counts) if count]
             offsets = [0, *itertools.accumulate(counts[e] for e in chosen)]
             assert self.ops is not None and self.ops.gemm_bf16_grouped is not None
-            hidden = rows.new_empty(rows.shape[0], gate_ups[0].shape[0] * 16)
+            hidden = empty_rows(rows.shape[0], gate_ups[0].shape[0] * 16, rows, longest)
             self.ops.gemm_bf16_grouped(hidden, rows, [gate_ups[e] for e in chosen], offsets,
                                        True)
             out_rows = rows.new_empty(rows.shape)
             self.ops.gemm_bf16_grouped(out_rows, hidden, [downs[e] for e in chosen], offsets,
                                        False)
-        elif self.kept_grouped is not None and max(counts) <= VNNI_MAX_ROWS:
+        elif self.kept_grouped is not None and longest <= VNNI_MAX_ROWS:
             out_rows = self.kept_grouped(rows, counts, self.experts[0].activate)
         else:
-            out_rows = torch.empty_like(rows)
+            out_rows = rows.new_empty(rows.shape)
             start = 0
             for expert, count in enumerate(counts):
                 if count:  # only the experts some token chose

@@ -102,6 +102,23 @@ class GemmPath(enum.Enum):
 
 _logged_paths: set[GemmPath] = set()
 
+# From how many rows the own GEMM reads rows of x that lie a multiple of 4 KiB apart from a
+# copy with their rows further apart (csrc/gemm_tiles.h: rows_apart).
+_ROWS_APART_FROM = 16
+
+
+def empty_rows(rows: int, width: int, like: torch.Tensor, longest_run: int) -> torch.Tensor:
+    """An empty [rows, width] tensor of ``like``'s dtype for rows of x that the own GEMM
+    will read in runs of up to ``longest_run`` rows (a mixture's experts): where its rows
+    would lie a multiple of 4 KiB apart (a hidden size of 2048, 4096, ...) and a run is long
+    enough, a view of rows 64 bytes longer, so that the GEMM's 12-row register tiles do not
+    fall in one set of L1. The GEMM would otherwise copy each run so (as it copies the x of
+    a single weight); made so, the rows need no copy."""
+    pad = 64 // like.element_size()
+    if longest_run < _ROWS_APART_FROM or width * like.element_size() % 4096:
+        return like.new_empty(rows, width)
+    return like.new_empty(rows, width + pad)[:, :width]
+
 
 class PackedGemm:
     """A bfloat16/float16 weight [out, in] and its bias, reordered once for the GEMMs that
