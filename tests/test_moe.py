@@ -60,52 +60,41 @@ def test_weight_memory_counts_every_expert(tiny_model):
     assert config.model.weight_bytes() == 4 * sum(p.numel() for p in reference.parameters())
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 64])
-def test_one_kernel_call_per_projection_is_bit_identical(tokens):
+@pytest.mark.parametrize("hidden, expert_size, num_experts, tokens",
+                         [(64, 32, 8, 1), (64, 32, 8, 5), (64, 32, 8, 64), (2048, 2048, 3, 40)])
+def test_one_kernel_call_per_projection_is_bit_identical(hidden, expert_size, num_experts,
+                                                         tokens):
     """bfloat16 experts on the own GEMM run grouped (one call for all chosen experts'
-    gate-ups, one for their downs): the same bits as the per-expert calls."""
+    gate-ups, one for their downs): the same bits as the per-expert calls. With a hidden
+    size of 2048 (rows 4 KiB apart) and an expert of 16 rows or more, the gathered tokens
+    and the gate-ups' products lie in rows 64 bytes longer: the same bits too."""
     from cpullm.model_executor.layers.ops import load_ops
 
     ops = load_ops()
     if ops is None or ops.gemm_bf16_grouped is None:
         pytest.skip("no bfloat16 GEMM kernel on this CPU (AVX-512 BF16)")
     torch.manual_seed(tokens)
-    moe = SparseMoE(64, 32, num_experts=8, top_k=2, normalize=True, dtype=torch.bfloat16,
-                    ops=ops, quant_config=None)
+    moe = SparseMoE(hidden, expert_size, num_experts=num_experts, top_k=2, normalize=True,
+                    dtype=torch.bfloat16, ops=ops, quant_config=None)
     with torch.no_grad():
         for p in moe.parameters():
-            p.normal_(0, 0.3)
+            p.normal_(0, 2.4 / hidden ** 0.5)
         finish_loading(moe, ops)
-        x = torch.randn(tokens, 64).to(torch.bfloat16)
+        x = torch.randn(tokens, hidden).to(torch.bfloat16)
+        if hidden == 2048:
+            assert max(torch.bincount(moe.route(x)[0].flatten()).tolist()) >= 16
         grouped = moe(x)
-        assert len(moe.grouped[0]) == 8  # set at load
+        assert len(moe.grouped[0]) == num_experts  # set at load
         moe.grouped = ([], [], 0)  # expert by expert
         assert torch.equal(grouped, moe(x))
 
 
-def test_tokens_of_a_wide_mixture_are_gathered_4k_apart_and_run_the_same():
-    """With a hidden size of 2048 (rows 4 KiB apart) the gathered tokens and the gate-ups'
-    products lie in rows 64 bytes longer once an expert has 16 of them (the own GEMM's
-    register tiles then stay out of one set of L1): the same bits as expert by expert."""
-    from cpullm.model_executor.layers.ops import load_ops
+def test_rows_4k_apart_are_made_64_bytes_longer_from_16_rows():
+    """A mixture's gathered rows lie 64 bytes further apart where they would be a multiple
+    of 4 KiB apart and some expert has 16 or more of them; else they are contiguous."""
     from cpullm.model_executor.layers.quantization.dense import empty_rows
 
     like = torch.empty(0, dtype=torch.bfloat16)
     assert empty_rows(40, 2048, like, 16).stride() == (2080, 1)
     assert empty_rows(40, 2048, like, 15).is_contiguous()
     assert empty_rows(40, 2080, like, 16).is_contiguous()
-    ops = load_ops()
-    if ops is None or ops.gemm_bf16_grouped is None:
-        pytest.skip("no bfloat16 GEMM kernel on this CPU (AVX-512 BF16)")
-    torch.manual_seed(2)
-    moe = SparseMoE(2048, 2048, num_experts=3, top_k=2, normalize=True, dtype=torch.bfloat16,
-                    ops=ops, quant_config=None)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.normal_(0, 0.02)
-        finish_loading(moe, ops)
-        x = torch.randn(40, 2048).to(torch.bfloat16)
-        assert max(torch.bincount(moe.route(x)[0].flatten()).tolist()) >= 16
-        grouped = moe(x)
-        moe.grouped = ([], [], 0)  # expert by expert, each on its rows of the gathered view
-        assert torch.equal(grouped, moe(x))
