@@ -112,8 +112,8 @@ def empty_rows(rows: int, width: int, like: torch.Tensor, longest_run: int) -> t
     will read in runs of up to ``longest_run`` rows (a mixture's experts): where its rows
     would lie a multiple of 4 KiB apart (a hidden size of 2048, 4096, ...) and a run is long
     enough, a view of rows 64 bytes longer, so that the GEMM's 12-row register tiles do not
-    fall in one set of L1. The GEMM would otherwise copy each run so (as it copies the x of
-    a single weight); made so, the rows need no copy."""
+    fall in one set of L1. gemm_bf16 copies the x of a single weight so; the grouped GEMM
+    reads the rows as they lie, so they are made so from the start."""
     pad = 64 // like.element_size()
     if longest_run < _ROWS_APART_FROM or width * like.element_size() % 4096:
         return like.new_empty(rows, width)
