@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from conftest import amx_or_skip
 
 from cpullm.model_executor.layers.ops import amx_tiles_usable, load_ops
+from cpullm.model_executor.layers.quantization.dense import panels_of
 from cpullm.platform import cpu_info
 
 ops = load_ops()
@@ -221,7 +222,7 @@ def test_amx_gemm_matches_the_avx512_gemm(rows, silu_mul, input_size):
         packed_weight, packed_bias = weight[order], bias[order]
     else:
         packed_weight, packed_bias = weight, bias
-    panels = packed_weight.view(n // 32, 32, input_size // 2, 2).permute(0, 2, 1, 3).contiguous()
+    panels = panels_of(packed_weight)
     width = n // 2 if silu_mul else n
     got, avx = (torch.empty(rows, width, dtype=torch.bfloat16) for _ in range(2))
     ops.gemm_bf16_amx(got, x, panels, packed_bias, silu_mul)
@@ -281,7 +282,7 @@ def test_gemm_of_rows_4k_apart_equals_the_same_rows_elsewhere(rows, silu_mul):
     torch.manual_seed(rows)
     k, n = 2048, 64
     weight = torch.randn(n, k, dtype=torch.bfloat16) / 48
-    panels = weight.view(n // 32, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    panels = panels_of(weight)
     x = torch.randn(rows, k, dtype=torch.bfloat16)
     elsewhere = torch.empty(rows, k + 64, dtype=torch.bfloat16)[:, :k]
     wider = torch.empty(rows, 2 * k, dtype=torch.bfloat16)[:, :k]
@@ -306,7 +307,7 @@ def test_grouped_gemm_on_views_of_wider_rows(silu_mul):
     torch.manual_seed(7)
     k, n, counts = 2048, 64, [20, 3, 33]
     weights = [torch.randn(n, k, dtype=torch.bfloat16) / 48 for _ in counts]
-    panels = [w.view(n // 32, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous() for w in weights]
+    panels = [panels_of(w) for w in weights]
     offsets = [0, *itertools.accumulate(counts)]
     x = torch.randn(offsets[-1], k, dtype=torch.bfloat16)
     width = n // 2 if silu_mul else n

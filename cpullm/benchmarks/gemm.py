@@ -52,11 +52,13 @@ def layer_shapes(config: Any) -> list[tuple[str, int, int]]:
 
 def gemm_paths(ops: Any, weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], Any]]:
     """Each path this CPU and build run for ``weight`` [n, k], as a call on x."""
+    from cpullm.model_executor.layers.quantization.dense import panels_of
+
     n, k = weight.shape
     paths: dict[str, Callable[[torch.Tensor], Any]] = {}
     panels = None
     if ops is not None and ops.gemm_bf16 is not None and n % 32 == 0 and k % 2 == 0:
-        panels = weight.view(n // 32, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        panels = panels_of(weight)
 
         def avx512(x: torch.Tensor) -> None:
             ops.gemm_bf16(x.new_empty(x.shape[0], n), x, panels, None, False)

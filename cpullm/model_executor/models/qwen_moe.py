@@ -135,7 +135,7 @@ class SparseMoE(nn.Module):
         elif self.kept_grouped is not None and longest <= VNNI_MAX_ROWS:
             out_rows = self.kept_grouped(rows, counts, self.experts[0].activate)
         else:
-            out_rows = rows.new_empty(rows.shape)
+            out_rows = torch.empty_like(rows)
             start = 0
             for expert, count in enumerate(counts):
                 if count:  # only the experts some token chose

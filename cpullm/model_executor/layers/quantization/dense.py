@@ -102,6 +102,14 @@ class GemmPath(enum.Enum):
 
 _logged_paths: set[GemmPath] = set()
 
+def panels_of(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [n, k] (n a multiple of 32, k even) in the own GEMM's layout: panels of 32
+    output columns, [n / 32, k / 2, 32, 2], each 128-byte row the (k, k + 1) pairs of its 32
+    columns (csrc/gemm.cpp: gemm_bf16)."""
+    n, k = weight.shape
+    return weight.view(n // 32, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
 # From how many rows the own GEMM reads rows of x that lie a multiple of 4 KiB apart from a
 # copy with their rows further apart (csrc/gemm_tiles.h: rows_apart).
 _ROWS_APART_FROM = 16
@@ -169,7 +177,7 @@ class PackedGemm:
                 weight = weight.view(2, n // 32, 16, k).transpose(0, 1).reshape(n, k)
                 if bias is not None:
                     bias = bias.view(2, n // 32, 16).transpose(0, 1).reshape(n)
-            self.panels = weight.view(n // 32, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+            self.panels = panels_of(weight)
             self.panel_bias = None if bias is None else bias.contiguous()
 
     @property
