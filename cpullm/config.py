@@ -18,6 +18,7 @@ import torch
 from cpullm.model_executor.layers.pooler import PoolerConfig
 from cpullm.platform.binding import BindingPlan
 from cpullm.platform.topology import CpuTopology
+from cpullm.sampling_params import DEFAULT_MAX_LOGPROBS
 from cpullm.transformers_utils import ModelSource
 from cpullm.utils import cdiv
 
@@ -39,6 +40,7 @@ class ModelConfig:
     task: str = "generate"
     pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
     lm_head_quantization: str | None = None  # "int8": the LM head quantized at load
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # per request, for logprobs and prompt_logprobs
 
     @property
     def is_pooling(self) -> bool:

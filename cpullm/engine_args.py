@@ -28,6 +28,7 @@ from cpullm.model_executor.layers.quantization import (
     get_quantization_config,
 )
 from cpullm.platform import CpuTopology, format_cpu_list, plan_binding, resolve_dtype
+from cpullm.sampling_params import DEFAULT_MAX_LOGPROBS
 from cpullm.transformers_utils import (
     DEFAULT_EMBEDDING_MODEL_NAME,
     DEFAULT_MODEL_NAME,
@@ -80,6 +81,7 @@ class EngineArgs:
     served_model_name: str | None = None
     chat_template: str | None = None
     enforce_eager: bool = False
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
     quantization: str | None = None
     lm_head_quantization: str | None = None
     load_format: str = "auto"
@@ -189,6 +191,9 @@ class EngineArgs:
         parser.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
                             help="plain torch ops instead of the compiled CPU kernels "
                             "(for debugging)")
+        parser.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                            help="the most log-probabilities a request may ask for (logprobs, "
+                            "prompt_logprobs); -1: the whole vocabulary")
         parser.add_argument("--quantization", "-q", default=d.quantization,
                             help="the checkpoint's quantization format, as vLLM names it ("
                             + ", ".join(QUANTIZATION_METHODS) + "); unset: found from the "
@@ -286,7 +291,11 @@ class EngineArgs:
             served_model_name=self.served_model_name or self.model or (
                 DEFAULT_MODEL_NAME if task == "generate" else DEFAULT_EMBEDDING_MODEL_NAME),
             enforce_eager=self.enforce_eager, quantization=quantization, task=task,
-            pooler_config=pooler_config, lm_head_quantization=self.lm_head_quantization)
+            pooler_config=pooler_config, lm_head_quantization=self.lm_head_quantization,
+            max_logprobs=self.max_logprobs)
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs: must be -1 (the whole vocabulary) or at least 0, "
+                             f"got {self.max_logprobs}")
         if self.lm_head_quantization is not None and task != "generate":
             raise ValueError(f"--lm-head-quantization: a pooling model (--task {task}) has no "
                              "LM head")

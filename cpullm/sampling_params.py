@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from cpullm.structured_output import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
-MAX_LOGPROBS = 20
+# top log-probabilities a request may ask for, unless --max-logprobs says otherwise (vLLM's)
+DEFAULT_MAX_LOGPROBS = 20
 MAX_N = 128  # samples per request (OpenAI's limit): each is a sequence of its own
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 
@@ -88,8 +89,9 @@ class SamplingParams:
               f"must be less than or equal to max_tokens={self.max_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
-                  name, f"must be between 0 and {MAX_LOGPROBS}")
+            # (the upper bound is the engine's --max-logprobs: Frontend.check_params)
+            check(value is None or (isinstance(value, int) and value >= 0), name,
+                  "must be a non-negative integer")
         check(all(isinstance(s, str) and s for s in self.stop), "stop",
               "must be a list of non-empty strings")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",

@@ -115,6 +115,13 @@ class Frontend:
         The offline API and the server both check here, before a request reaches the
         engine core, where a bad value would fail a whole step."""
         vocab = self.config.model.vocab_size
+        limit = self.config.model.max_logprobs
+        limit = vocab if limit == -1 else limit
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise ValueError(f"{name}: must be at most {limit} (the server's "
+                                 f"--max-logprobs), got {value}")
         if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
         if params.structured_outputs is not None:

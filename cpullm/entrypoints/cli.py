@@ -123,6 +123,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         report = run_suite(args)
         return 1 if report.failed else 0
+    elif args.bench == "quality":
+        from cpullm.benchmarks.quality import run_quality
+
+        run_quality(args)
     elif args.bench == "soak":
         from cpullm.benchmarks.soak import run_soak
 
@@ -220,6 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Soak a running server: concurrent streaming clients for a set time, a "
         "share of them disconnecting mid-stream; then report errors, leaked KV blocks, "
         "resident memory and latency percentiles. Exits 1 on any error or leaked block."))
+    from cpullm.benchmarks.quality import add_quality_args
+
+    add_quality_args(bench_sub.add_parser(
+        "quality", help="perplexity, KL divergence and top-1 agreement against float32",
+        description="Score fixed windows of a text with the model as configured and with "
+        "the same weights in float32 (or a saved reference); print the perplexity of each, "
+        "the KL divergence of the run from the reference and how often their most likely "
+        "tokens agree, as llama-perplexity's --kl-divergence does."))
     from cpullm.benchmarks.suite import add_suite_args
 
     add_suite_args(bench_sub.add_parser(

@@ -10,7 +10,6 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cpullm.sampling_params import (
-    MAX_LOGPROBS,
     MAX_N,
     SEED_RANGE,
     RequestOutputKind,
@@ -131,7 +130,7 @@ class _SamplingFields(_Refusing):
     stop_token_ids: list[_TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=0)
     # vLLM's: prefix-cache blocks are shared only between requests with the same salt
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and vLLM's
@@ -218,7 +217,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     max_tokens: int | None = Field(default=16, ge=0,  # 0: echo only
                                    json_schema_extra=CONTEXT_LENGTH)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=0)
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # must equal n
 
     REFUSED = {"suffix": (_absent, "insertion (suffix) is not supported")}
@@ -305,7 +304,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1,
                                               json_schema_extra=CONTEXT_LENGTH)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None

@@ -1,0 +1,147 @@
+"""``cpullm bench quality``: its figures against the same figures computed by hand from
+transformers' logits, on tiny random models whose vocabulary the top k covers (so the KL
+divergence is the exact one)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cpullm.benchmarks.quality import Reference
+
+CLI = [sys.executable, "-m", "cpullm.entrypoints.cli", "bench", "quality"]
+ENGINE = ["--block-size", "32", "--max-model-len", "128"]
+WORDS = ("the a of to and in is it that was for on are with as be at by this had not but "
+         "from or have an they which one you were all we her she there would their will "
+         "when who him been has more if no out so said what up its about than into them "
+         "can only other new some could time these two may then do first any my now").split()
+WINDOWS, WINDOW_LEN = 3, 40
+
+
+def make_model(path: Path, seed: int) -> Path:
+    """A tiny Llama with a word-level vocabulary of WORDS (and an unknown token)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, initializer_range=0.1,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """Two models of one vocabulary, and a text of their words."""
+    root = tmp_path_factory.mktemp("quality")
+    rng = random.Random(0)
+    text = root / "text.txt"
+    text.write_text(" ".join(rng.choice(WORDS) for _ in range(WINDOWS * WINDOW_LEN + 50)))
+    return make_model(root / "a", 0), make_model(root / "b", 1), text
+
+
+def quality(args: list[str]) -> dict:
+    result = subprocess.run(CLI + args + ENGINE + ["--json"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def by_hand(reference: Path, candidate: Path, token_ids: np.ndarray) -> dict[str, float]:
+    """The figures from transformers' float32 logits over the whole vocabulary."""
+    from transformers import AutoModelForCausalLM
+
+    def logprobs(folder: Path) -> torch.Tensor:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        with torch.no_grad():
+            logits = model(torch.tensor(token_ids)).logits.double()
+        # the distributions over positions score_from.. (given the tokens before each)
+        return torch.log_softmax(logits, -1)[:, WINDOW_LEN // 2 - 1:-1]
+
+    ref, cand = logprobs(reference), logprobs(candidate)
+    targets = torch.tensor(token_ids[:, WINDOW_LEN // 2:])[..., None]
+    kl = (ref.exp() * (ref - cand)).sum(-1)
+    ppl_ref = ref.gather(-1, targets).mean().neg().exp().item()
+    ppl = cand.gather(-1, targets).mean().neg().exp().item()
+    return {"perplexity": ppl, "reference_perplexity": ppl_ref,
+            "kl_mean": kl.mean().item(), "kl_max": kl.max().item(),
+            "kl_p99": float(np.percentile(kl.numpy(), 99)),
+            "top1_agreement": (ref.argmax(-1) == cand.argmax(-1)).double().mean().item()}
+
+
+def test_float32_against_itself_and_its_saved_reference_is_exact(models, tmp_path):
+    a, _, text = models
+    saved = tmp_path / "a.npz"
+    first = quality([str(a), "--dtype", "float32", "--text", str(text), "--windows",
+                     str(WINDOWS), "--window-len", str(WINDOW_LEN),
+                     "--save-reference", str(saved)])
+    again = quality([str(a), "--dtype", "float32", "--reference", str(saved)])
+    for figures in (first, again):
+        assert figures["positions"] == WINDOWS * WINDOW_LEN // 2
+        assert figures["kl_mean"] == figures["kl_max"] == 0.0
+        assert figures["top1_agreement"] == 1.0
+        assert figures["perplexity_drift"] == 0.0
+        assert figures["top_k"] == len(WORDS) + 1  # the whole vocabulary
+    assert again["perplexity"] == first["perplexity"]
+    assert again["text_sha256"] == first["text_sha256"]
+
+
+def test_figures_equal_those_computed_from_transformers_logits(models, tmp_path):
+    a, b, text = models
+    saved = tmp_path / "a.npz"
+    quality([str(a), "--dtype", "float32", "--text", str(text), "--windows", str(WINDOWS),
+             "--window-len", str(WINDOW_LEN), "--save-reference", str(saved)])
+    token_ids = Reference.load(str(saved)).token_ids
+    assert token_ids.shape == (WINDOWS, WINDOW_LEN)
+    figures = quality([str(b), "--dtype", "float32", "--reference", str(saved)])
+    expected = by_hand(a, b, token_ids)
+    assert figures["kl_mean"] > 0.01 and figures["top1_agreement"] < 1.0  # models differ
+    for name, value in expected.items():
+        assert figures[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+    assert figures["perplexity_drift"] == pytest.approx(
+        expected["perplexity"] / expected["reference_perplexity"] - 1, rel=1e-3)
+
+
+def test_bfloat16_is_measured_against_float32_by_default(models):
+    a, _, text = models
+    figures = quality([str(a), "--dtype", "bfloat16", "--text", str(text), "--windows", "2",
+                       "--window-len", "32"])
+    assert figures["reference"].endswith("in float32")
+    assert figures["candidate"].endswith("in bfloat16")
+    assert figures["positions"] == 2 * 16
+    assert 0 < figures["kl_mean"] < 0.01
+    assert figures["top1_agreement"] > 0.9
+
+
+def test_a_reference_of_another_vocabulary_is_refused(models, tmp_path):
+    a, _, text = models
+    saved = tmp_path / "a.npz"
+    quality([str(a), "--dtype", "float32", "--text", str(text), "--windows", "1",
+             "--window-len", "16", "--save-reference", str(saved)])
+    with np.load(saved) as data:
+        fields = dict(data)
+    fields["vocab_size"] = np.array(1000)
+    np.savez(saved, **fields)
+    result = subprocess.run(CLI + [str(a), "--reference", str(saved)] + ENGINE,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "vocabulary of 1000 tokens" in result.stderr
+    not_a_reference = tmp_path / "x.npz"
+    not_a_reference.write_bytes(b"not a file of numbers")
+    result = subprocess.run(CLI + [str(a), "--reference", str(not_a_reference)] + ENGINE,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "--reference: cannot read" in result.stderr
