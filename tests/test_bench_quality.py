@@ -145,3 +145,68 @@ def test_a_reference_of_another_vocabulary_is_refused(models, tmp_path):
     result = subprocess.run(CLI + [str(a), "--reference", str(not_a_reference)] + ENGINE,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "--reference: cannot read" in result.stderr
+
+
+def requantize(source: str, path: Path, qtype_name: str) -> Path:
+    """The GGUF file ``source`` with every matrix requantized to another type (gguf's own
+    quantizers, from the weights dequantized); metadata and vectors as they are."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(str(path), reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue  # (written by the writer itself)
+        kind = field.types[0]
+        writer.add_key_value(field.name, field.contents(), kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY
+                             else None)
+    for tensor in reader.tensors:
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # [rows, columns]
+        if len(shape) < 2:
+            writer.add_tensor(tensor.name, np.array(tensor.data))
+            continue
+        blocks = quantize(dequantize(tensor.data, tensor.tensor_type).reshape(shape), qtype)
+        writer.add_tensor(tensor.name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# The least top-1 agreement with the same file in float32 (the default text, 4 windows of
+# 256 tokens, prompt steps) on any kernel path, and the most mean KL divergence; measured on
+# each path an AMX Xeon runs (docs/quantization.md, "Fidelity"), with a margin.
+FLOORS = {"Q4_0": (0.93, 0.006), "Q4_1": (0.93, 0.006), "Q8_0": (0.93, 0.006)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", sorted(FLOORS))
+def test_every_kernel_path_keeps_each_type_above_its_floor(qtype, tmp_path):
+    import os
+
+    from cpullm.model_executor.layers.kernel_build import ISA_LEVELS
+    from cpullm.platform.cpu import cpu_info
+    from cpullm.transformers_utils import resolve_model
+
+    source = resolve_model(None).gguf_path
+    model = source if qtype == "Q4_1" else str(requantize(source, tmp_path / f"{qtype}.gguf",
+                                                           qtype))
+    levels = [level.name for level in ISA_LEVELS if level.needs <= cpu_info().flags]
+    assert levels, "no kernel library runs on this CPU"
+    saved = tmp_path / "reference.npz"
+    least_top1, most_kl = FLOORS[qtype]
+    for level in reversed(levels):  # the default path first: it saves the reference
+        args = ["--reference", str(saved)] if saved.exists() else \
+            ["--windows", "4", "--window-len", "256", "--save-reference", str(saved)]
+        result = subprocess.run(CLI + [model, "--max-model-len", "512", "--json", *args],
+                                capture_output=True, text=True, timeout=600,
+                                env={**os.environ, "CPULLM_KERNEL_ISA": level})
+        assert result.returncode == 0, result.stderr[-3000:]
+        figures = json.loads(result.stdout)
+        print(qtype, level, figures["top1_agreement"], figures["kl_mean"])
+        assert figures["top1_agreement"] >= least_top1, (level, figures)
+        assert figures["kl_mean"] <= most_kl, (level, figures)

@@ -212,13 +212,15 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
                              f"{args.model!r}")
         args.model = args.model_tag
     engine_args = EngineArgs.from_cli_args(args)
-    if args.top_k < 1:
-        raise ValueError("--top-k must be at least 1")
-    if engine_args.max_logprobs != -1:  # room for the top k of every position
-        engine_args.max_logprobs = max(engine_args.max_logprobs, args.top_k)
     reference: Reference | None = None
+    top_k = args.top_k
     if args.reference != "float32":
         reference = Reference.load(args.reference)
+        top_k = reference.top_ids.shape[-1]  # the candidate's as many as the reference's
+    if top_k < 1:
+        raise ValueError("--top-k must be at least 1")
+    if engine_args.max_logprobs != -1:  # room for the top k of every position
+        engine_args.max_logprobs = max(engine_args.max_logprobs, top_k)
     candidate_llm = LLM.from_engine_args(engine_args)
     tokenizer = candidate_llm.get_tokenizer()
     vocab = candidate_llm.llm_engine.config.model.vocab_size
@@ -231,14 +233,14 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--reference: made with a vocabulary of {reference.vocab_size} "
                              f"tokens, this model has {vocab}")
         token_ids, score_from = reference.token_ids, reference.score_from
-    candidate = score(candidate_llm, token_ids, score_from, args.top_k)
+    candidate = score(candidate_llm, token_ids, score_from, top_k)
     config = candidate_llm.llm_engine.config
     described = f"{_name(config)} in {str(config.model.dtype).removeprefix('torch.')}"
     _free(candidate_llm)
     if reference is None:
         # the same model, flags and all, in float32
         ref_llm = LLM.from_engine_args(dataclasses.replace(engine_args, dtype="float32"))
-        ref = score(ref_llm, token_ids, score_from, args.top_k)
+        ref = score(ref_llm, token_ids, score_from, top_k)
         ref_config = ref_llm.llm_engine.config
         _free(ref_llm)
         reference = Reference(token_ids, score_from, ref.target_logprobs, ref.top_ids,
@@ -246,11 +248,7 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
                               f"{_name(ref_config)} in float32")
     if args.save_reference:
         reference.save(args.save_reference)
-    figures: dict[str, Any] = compare(reference, candidate)
-    figures.update(candidate=described, reference=reference.description,
-                   windows=int(token_ids.shape[0]), window_len=int(token_ids.shape[1]),
-                   top_k=int(reference.top_ids.shape[-1]),
-                   text_sha256=hashlib.sha256(token_ids.tobytes()).hexdigest()[:16])
+    figures = report(reference, candidate, described)
     if args.json:
         print(json.dumps(figures, indent=2))
     else:
@@ -258,6 +256,17 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(figures, f, indent=2)
+    return figures
+
+
+def report(reference: Reference, candidate: Scores, described: str) -> dict[str, Any]:
+    """compare()'s figures, with what was compared."""
+    figures: dict[str, Any] = compare(reference, candidate)
+    token_ids = reference.token_ids
+    figures.update(candidate=described, reference=reference.description,
+                   windows=int(token_ids.shape[0]), window_len=int(token_ids.shape[1]),
+                   top_k=int(reference.top_ids.shape[-1]),
+                   text_sha256=hashlib.sha256(token_ids.tobytes()).hexdigest()[:16])
     return figures
 
 
