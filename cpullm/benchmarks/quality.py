@@ -147,13 +147,10 @@ def score(llm: LLM, token_ids: np.ndarray, score_from: int, top_k: int) -> Score
         rows = output.prompt_logprobs
         assert rows is not None and len(rows) == length
         for j, position in enumerate(range(score_from, length)):
-            entry = rows[position]  # {id: Logprob}: the text's token, then the top k
+            # {id: Logprob}: the text's token (with its rank), and the top k by rank
+            entry = rows[position]
             target[w, j] = entry[int(token_ids[w, position])].logprob
             ranked = sorted(entry.items(), key=lambda item: item[1].rank)[:k]
-            if len(ranked) < k or ranked[0][1].rank != 1:
-                # the text's own token ranked past k and the top k overlap it: rebuild
-                ranked = sorted(((i, lp) for i, lp in entry.items() if lp.rank <= k),
-                                key=lambda item: item[1].rank)
             top_ids[w, j] = [i for i, _ in ranked]
             top_lps[w, j] = [lp.logprob for _, lp in ranked]
     return Scores(target, top_ids, top_lps)
