@@ -14,7 +14,8 @@ load, every kernel on its float32 path), or a file saved by ``--save-reference``
 keeps the token ids and the reference's top ``--top-k`` log-probabilities of every scored
 position (llama.cpp's ``--kl-divergence-base`` keeps the whole vocabulary instead). The KL
 divergence is taken over those top k tokens and the rest of the vocabulary as one more
-outcome; it is exact where k covers the vocabulary, and a lower bound otherwise.
+outcome; it is exact where k covers the vocabulary, and a lower bound otherwise (where
+the run's own top k holds the reference's).
 """
 
 from __future__ import annotations
