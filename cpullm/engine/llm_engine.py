@@ -120,7 +120,7 @@ class Frontend:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > limit:
-                raise ValueError(f"{name}: must be at most {limit} (the server's "
+                raise ValueError(f"{name}: must be at most {limit} (the engine's "
                                  f"--max-logprobs), got {value}")
         if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
