@@ -195,8 +195,8 @@ def test_every_kernel_path_keeps_each_type_above_its_floor(qtype, tmp_path):
     source = resolve_model(None).gguf_path
     model = source if qtype == "Q4_1" else str(requantize(source, tmp_path / f"{qtype}.gguf",
                                                            qtype))
-    levels = [level.name for level in ISA_LEVELS if level.needs <= cpu_info().flags]
-    assert levels, "no kernel library runs on this CPU"
+    # every kernel library this CPU runs; without one (not x86), the torch path it falls to
+    levels = [level.name for level in ISA_LEVELS if level.needs <= cpu_info().flags] or [""]
     saved = tmp_path / "reference.npz"
     least_top1, most_kl = FLOORS[qtype]
     for level in reversed(levels):  # the default path first: it saves the reference

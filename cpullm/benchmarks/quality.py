@@ -197,18 +197,7 @@ def _name(config: Any) -> str:
     return source.gguf_path or source.directory
 
 
-def _free(llm: LLM) -> None:
-    llm.llm_engine.shutdown()
-    del llm
-    gc.collect()
-
-
 def run_quality(args: argparse.Namespace) -> dict[str, Any]:
-    if args.model_tag is not None:
-        if args.model is not None and args.model != args.model_tag:
-            raise ValueError(f"model: given twice, as {args.model_tag!r} and --model "
-                             f"{args.model!r}")
-        args.model = args.model_tag
     engine_args = EngineArgs.from_cli_args(args)
     reference: Reference | None = None
     top_k = args.top_k
@@ -234,13 +223,17 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
     candidate = score(candidate_llm, token_ids, score_from, top_k)
     config = candidate_llm.llm_engine.config
     described = f"{_name(config)} in {str(config.model.dtype).removeprefix('torch.')}"
-    _free(candidate_llm)
+    # the run's weights go before the float32 reference's come
+    candidate_llm.llm_engine.shutdown()
+    del candidate_llm
+    gc.collect()
     if reference is None:
         # the same model, flags and all, in float32
         ref_llm = LLM.from_engine_args(dataclasses.replace(engine_args, dtype="float32"))
         ref = score(ref_llm, token_ids, score_from, top_k)
         ref_config = ref_llm.llm_engine.config
-        _free(ref_llm)
+        ref_llm.llm_engine.shutdown()
+        del ref_llm
         reference = Reference(token_ids, score_from, ref.target_logprobs, ref.top_ids,
                               ref.top_logprobs, vocab,
                               f"{_name(ref_config)} in float32")

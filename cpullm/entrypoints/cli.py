@@ -126,6 +126,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     elif args.bench == "quality":
         from cpullm.benchmarks.quality import run_quality
 
+        _take_model_tag(args)
         run_quality(args)
     elif args.bench == "soak":
         from cpullm.benchmarks.soak import run_soak
@@ -139,15 +140,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
-    from cpullm.entrypoints.openai.api_server import run_server
-
-    if args.model_tag is not None:  # `serve MODEL` and `serve --model MODEL` are the same
+def _take_model_tag(args: argparse.Namespace) -> None:
+    """`COMMAND MODEL` and `COMMAND --model MODEL` are the same (serve, bench quality)."""
+    if args.model_tag is not None:
         from_file = "model" in getattr(args, "config_dests", ())
         if args.model is not None and args.model != args.model_tag and not from_file:
             raise ValueError(f"model: given twice, as {args.model_tag!r} and --model "
                              f"{args.model!r}")
         args.model = args.model_tag
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from cpullm.entrypoints.openai.api_server import run_server
+
+    _take_model_tag(args)
     return run_server(args)
 
 
