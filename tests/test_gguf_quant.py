@@ -217,6 +217,71 @@ def test_tiled_kernels_match_dequantized_reference(qtype, rows):
         assert error < (0.01 if kernel == "tiled_int8" else 0.004), (kernel, error)
 
 
+def int8_libraries() -> list[object]:
+    """The kernel table of every prebuilt library this CPU runs (AVX2, AVX-512 VNNI,
+    AVX-512 BF16): each has its own build of the int8 dot products."""
+    from cpullm.model_executor.layers.ops import KernelTable, load_prebuilt
+
+    tables = []
+    for level in ISA_LEVELS:
+        if level.needs <= cpu_info().flags:
+            module = load_prebuilt(level)
+            if module is None:
+                pytest.fail(f"this CPU runs the {level.name} library, but the install did not "
+                            "build it from the sources as they are (make setup)")
+            tables.append(KernelTable.of(module))
+    return tables
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 300])
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
+def test_kernels_store_float32_logits(qtype, rows):
+    """Into a float32 out (an LM head's logits) the int8 dot products of every library
+    this CPU runs, on both layouts, quantize x in two levels: ~300x closer to x @ W.T than
+    x's int8 blocks alone (measured 1.9e-5 against 5.4e-3, relative); the GEMMs on bf16
+    panels store the very sums whose bfloat16 rounding they store otherwise; the kernels
+    without a float32 store are refused one, and ``logits`` widens their product."""
+    ops, _ = quantized_kernels()
+    _, tile_kernels = tiled_kernels()
+    libraries = int8_libraries()
+    kernels_or_skip(libraries, {"avx2"}, "the int8 dot products")
+    n, k = 96, width(qtype)
+    weight = RawBlocks(qtype, random_blocks(qtype, n, k, np.random.default_rng(2)),
+                       (n, k)).to_weight()
+    reference_w = weight.dequantize(torch.float32).double()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    expected = x.double() @ reference_w.T + bias.double()
+    runs = [(weight, table, "int8") for table in libraries]
+    runs += [(weight, ops, kernel) for _, kernel in quantized_kernel_runs()
+             if kernel != "int8"]
+    if tile_kernels:
+        runs += [(TiledWeight.of(weight), ops, kernel) for kernel in tile_kernels]
+    for w, table, kernel in [*runs, (weight, ops, "torch")]:
+        products = {}
+        for dtype in (torch.bfloat16, torch.float32):
+            out = torch.empty(rows, n, dtype=dtype)
+            if dtype == torch.float32 and kernel not in w.float32_kernels:
+                with pytest.raises(RuntimeError, match="bfloat16 out expected"):
+                    w.matmul_into(out, x, bias, table, kernel=kernel)
+                break
+            w.matmul_into(out, x, bias, table, kernel=kernel)
+            products[dtype] = out
+        else:
+            logits = products[torch.float32].double()
+            error = ((logits - expected).norm() / expected.norm()).item()
+            if kernel in ("int8", "tiled_int8", "torch"):
+                assert error < 1e-4, (table.isa, kernel, error)
+            else:
+                assert torch.equal(products[torch.float32].bfloat16(),
+                                   products[torch.bfloat16]), (table.isa, kernel)
+            continue
+        assert kernel == "amx"  # (the only kernel here without a float32 store)
+    widened = weight.logits(x, ops)
+    assert widened.dtype == torch.float32
+    assert (widened - (x.float() @ reference_w.float().T)).norm() < 5e-3 * widened.norm()
+
+
 @pytest.mark.parametrize("rows", [1, 21, 300])
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
 def test_tiled_kernels_store_silu_mul_and_write_a_column_slice(qtype, rows):

@@ -201,6 +201,9 @@ def test_packed_linear_matches_float32(rows, output_size, input_size, amx, monke
         got = layer(x)
         assert got.dtype == torch.bfloat16 and got.shape == (*x.shape[:-1], output_size)
         assert torch.allclose(got.float().view(rows, -1), expected, atol=0.05, rtol=0.02)
+        # float32 out (an LM head's logits): the sums whose rounding ``got`` is
+        logits = layer.gemm(x, torch.float32)
+        assert logits.dtype == torch.float32 and torch.equal(logits.bfloat16(), got)
 
 
 @needs_amx_tiles
@@ -233,6 +236,11 @@ def test_amx_gemm_matches_the_avx512_gemm(rows, silu_mul, input_size):
         expected = F.silu(gate) * up
     assert torch.allclose(got.float(), expected, atol=0.1, rtol=0.03)
     assert torch.allclose(got.float(), avx.float(), atol=0.1, rtol=0.03)
+    if not silu_mul:  # float32 out (logits): the very sums each GEMM rounds otherwise
+        for kernel, rounded in ((ops.gemm_bf16_amx, got), (ops.gemm_bf16, avx)):
+            logits = torch.empty(rows, width)
+            kernel(logits, x, panels, packed_bias, False)
+            assert torch.equal(logits.bfloat16(), rounded)
 
 
 def test_amx_gemm_refuses_an_input_size_off_the_tile_depth():
@@ -266,8 +274,11 @@ def test_tied_table_reads_its_rows_from_the_head_panels(hidden):
     assert torch.equal(embedding(ids), table[ids])
     assert torch.equal(embedding(ids.view(2, -1)), table[ids].view(2, -1, hidden))
     x = torch.randn(3, hidden, dtype=torch.bfloat16)
-    assert torch.allclose(head.compute_logits(x).float(), x.float() @ table.float().T,
-                          atol=0.05 * hidden ** 0.5, rtol=0.02)
+    logits = head.compute_logits(x)
+    assert logits.dtype == torch.float32  # unrounded: bfloat16 would tie close tokens
+    assert torch.allclose(logits, x.float() @ table.float().T, atol=0.05 * hidden ** 0.5,
+                          rtol=0.02)
+    assert torch.equal(logits.bfloat16(), head.gemm(x))
     with pytest.raises(RuntimeError, match="outside the table"):
         embedding(torch.tensor([vocab]))
 

@@ -16,26 +16,23 @@ namespace cpullm {
 // With silu_mul, each panel holds 16 gate columns then the 16 matching up columns (the
 // caller interleaves a merged gate-up weight so), and the store writes
 // silu(gate) * up, rounded where silu_and_mul_bf16 rounds, into an output half as wide.
-void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias,
-               bool silu_mul) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16 &&
-              out.scalar_type() == at::kBFloat16, "gemm_bf16: bfloat16 tensors expected");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.stride(0) % 2 == 0 && out.is_contiguous() &&
-              panels.is_contiguous() && panels.dim() == 4 && panels.size(2) == 32 &&
-              panels.size(3) == 2, "gemm_bf16: rows of x, packed panels [N/32, K/2, 32, 2]");
+//
+// out may be float32 (the LM head's logits): the same sums, stored unrounded.
+namespace {
+template <typename O>
+void gemm_bf16_as(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
+                  const c10::optional<at::Tensor>& bias, bool silu_mul) {
   const int64_t m = x.size(0), k2 = panels.size(1), n = panels.size(0) * 32;
   const int64_t width = silu_mul ? n / 2 : n, panel_width = silu_mul ? 16 : 32;
-  TORCH_CHECK(x.size(1) == 2 * k2 && out.size(0) == m && out.size(1) == width,
-              "gemm_bf16: shapes do not match");
   using Rows = std::make_integer_sequence<int, kGemmRows>;
-  static const GemmTiles tables[2][2] = {
-      {gemm_tiles<false, false>(Rows{}), gemm_tiles<false, true>(Rows{})},
-      {gemm_tiles<true, false>(Rows{}), gemm_tiles<true, true>(Rows{})}};
+  static const GemmTiles<O> tables[2][2] = {
+      {gemm_tiles<false, false, O>(Rows{}), gemm_tiles<false, true, O>(Rows{})},
+      {gemm_tiles<true, false, O>(Rows{}), gemm_tiles<true, true, O>(Rows{})}};
   const at::Tensor xs = rows_apart(x);
   const c10::BFloat16* xp = xs.data_ptr<c10::BFloat16>();
   const c10::BFloat16* wp = panels.data_ptr<c10::BFloat16>();
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  O* op = out.data_ptr<O>();
   const int64_t ldx = xs.stride(0), panel_size = k2 * 64;
   at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < m; r0 += kGemmBlockRows) {
@@ -46,12 +43,28 @@ void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at
         const c10::BFloat16* pb = bp != nullptr ? bp + p * 32 : nullptr;
         for (int64_t r = r0; r < r1; r += kGemmRows) {
           const int64_t rows = std::min<int64_t>(kGemmRows, r1 - r);
-          const GemmTiles& table = tables[r == 0 && p + 1 < end][silu_mul];
+          const GemmTiles<O>& table = tables[r == 0 && p + 1 < end][silu_mul];
           table[rows - 1](xp + r * ldx, ldx, panel, k2, pb, op + r * width + p * panel_width,
                           width, next);
         }
       }
     }
+  });
+}
+}  // namespace
+
+void gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias,
+               bool silu_mul) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16,
+              "gemm_bf16: bfloat16 x and panels expected");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.stride(0) % 2 == 0 && out.is_contiguous() &&
+              panels.is_contiguous() && panels.dim() == 4 && panels.size(2) == 32 &&
+              panels.size(3) == 2, "gemm_bf16: rows of x, packed panels [N/32, K/2, 32, 2]");
+  const int64_t n = panels.size(0) * 32;
+  TORCH_CHECK(x.size(1) == 2 * panels.size(1) && out.size(0) == x.size(0) &&
+              out.size(1) == (silu_mul ? n / 2 : n), "gemm_bf16: shapes do not match");
+  with_out_type(out, "gemm_bf16", [&](auto o) {
+    gemm_bf16_as<decltype(o)>(out, x, panels, bias, silu_mul);
   });
 }
 
@@ -82,9 +95,10 @@ void gemm_bf16_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> pan
   TORCH_CHECK(x.size(1) == 2 * k2 && out.size(0) == x.size(0) && out.size(1) == width,
               "gemm_bf16_grouped: shapes do not match");
   using Rows = std::make_integer_sequence<int, kGemmRows>;
-  static const GemmTiles tables[2][2] = {
-      {gemm_tiles<false, false>(Rows{}), gemm_tiles<false, true>(Rows{})},
-      {gemm_tiles<true, false>(Rows{}), gemm_tiles<true, true>(Rows{})}};
+  using B = c10::BFloat16;
+  static const GemmTiles<B> tables[2][2] = {
+      {gemm_tiles<false, false, B>(Rows{}), gemm_tiles<false, true, B>(Rows{})},
+      {gemm_tiles<true, false, B>(Rows{}), gemm_tiles<true, true, B>(Rows{})}};
   std::vector<const c10::BFloat16*> weights(groups);
   for (int64_t g = 0; g < groups; ++g) weights[g] = panels[g].data_ptr<c10::BFloat16>();
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
@@ -100,7 +114,7 @@ void gemm_bf16_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> pan
           weights[(item + 1) / num_panels] + (item + 1) % num_panels * panel_size) : nullptr;
       for (int64_t r = offsets[g]; r < offsets[g + 1]; r += kGemmRows) {
         const int64_t rows = std::min<int64_t>(kGemmRows, offsets[g + 1] - r);
-        const GemmTiles& table = tables[r == offsets[g] && more][silu_mul];
+        const GemmTiles<B>& table = tables[r == offsets[g] && more][silu_mul];
         table[rows - 1](xp + r * ldx, ldx, panel, k2, nullptr,
                         op + r * ldo + p * panel_width, ldo, next);
       }

@@ -112,11 +112,12 @@ class RowTiles {
   std::vector<c10::BFloat16> tail_;
 };
 
-// rows rows of a panel's float32 product (32 columns a row) stored as bfloat16 rows ldo
-// apart, with the panel's 32 bias values (or none) added; silu_mul: 16 gate and 16 up
-// columns become 16 of silu(gate) * up.
+// rows rows of a panel's float32 product (32 columns a row) stored as bfloat16 (or float32)
+// rows ldo apart, with the panel's 32 bias values (or none) added; silu_mul: 16 gate and 16
+// up columns become 16 of silu(gate) * up.
+template <typename O>
 void store_product(const float* acc, int64_t rows, const c10::BFloat16* bias, bool silu_mul,
-                   c10::BFloat16* out, int64_t ldo) {
+                   O* out, int64_t ldo) {
   __m512 bias_lo = _mm512_setzero_ps(), bias_hi = _mm512_setzero_ps();
   if (bias != nullptr) {
     bias_lo = bf16x16_load(bias);
@@ -150,58 +151,58 @@ void gemm_on_panels_amx(at::Tensor& out, const at::Tensor& x, int64_t n,
   if (m == 0) return;
   const RowTiles tiles(x.data_ptr<c10::BFloat16>(), x.stride(0), m, k);
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   const int64_t ldo = out.stride(0), width = silu_mul ? 16 : 32;
   const int64_t max_rows = std::max<int64_t>(32, kAmxBlockBytes / (2 * k) / 32 * 32);
   const int64_t num_blocks = (m + max_rows - 1) / max_rows;
   const int64_t block_rows = ((m + num_blocks - 1) / num_blocks + 31) / 32 * 32;
-  at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
-    load_tile_config();
-    thread_local std::vector<int32_t> buffer;  // two panels [k / 2][32] of pairs, kept
-    if (static_cast<int64_t>(buffer.size()) < 32 * k) buffer.resize(32 * k);
-    int32_t* panels[2] = {buffer.data(), buffer.data() + 16 * k};
-    const int64_t count = end - begin, items = num_blocks * count;  // (row block, panel)
-    dequantize(begin, panels[0], 0, parts);
-    alignas(64) float acc[32 * 32];
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t p = begin + item % count, r0 = item / count * block_rows;
-      const int64_t r1 = std::min(m, r0 + block_rows);
-      const auto* pp = reinterpret_cast<const c10::BFloat16*>(panels[item % 2 * (count > 1)]);
-      int32_t* next = panels[(item + 1) % 2];
-      const int64_t calls = (r1 - r0 + 31) / 32 * (k / 32);  // k-steps this item takes
-      int64_t call = 0, done = item + 1 < items && count > 1 ? 0 : parts;
-      auto work = [&]() {
-        const int64_t target = (++call * parts + calls - 1) / calls;
-        if (target > done) {
-          dequantize(begin + (item + 1) % count, next, done, target);
-          done = target;
+  with_out_type(out, "gemm_on_panels_amx", [&](auto o) {
+    auto* op = out.data_ptr<decltype(o)>();
+    at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
+      load_tile_config();
+      thread_local std::vector<int32_t> buffer;  // two panels [k / 2][32] of pairs, kept
+      if (static_cast<int64_t>(buffer.size()) < 32 * k) buffer.resize(32 * k);
+      int32_t* panels[2] = {buffer.data(), buffer.data() + 16 * k};
+      const int64_t count = end - begin, items = num_blocks * count;  // (row block, panel)
+      dequantize(begin, panels[0], 0, parts);
+      alignas(64) float acc[32 * 32];
+      for (int64_t item = 0; item < items; ++item) {
+        const int64_t p = begin + item % count, r0 = item / count * block_rows;
+        const int64_t r1 = std::min(m, r0 + block_rows);
+        const auto* pp = reinterpret_cast<const c10::BFloat16*>(panels[item % 2 * (count > 1)]);
+        int32_t* next = panels[(item + 1) % 2];
+        const int64_t calls = (r1 - r0 + 31) / 32 * (k / 32);  // k-steps this item takes
+        int64_t call = 0, done = item + 1 < items && count > 1 ? 0 : parts;
+        auto work = [&]() {
+          const int64_t target = (++call * parts + calls - 1) / calls;
+          if (target > done) {
+            dequantize(begin + (item + 1) % count, next, done, target);
+            done = target;
+          }
+        };
+        for (int64_t r = r0; r < r1; r += 32) {
+          const int64_t rows = std::min<int64_t>(32, r1 - r);
+          int64_t lda0 = 0, lda1 = 0;
+          const c10::BFloat16* a0 = tiles.at(r, lda0);
+          if (rows > 16) {
+            const c10::BFloat16* a1 = tiles.at(r + 16, lda1);
+            amx_panel<true>(a0, lda0, a1, lda1, pp, k / 2, nullptr, 0, 0, acc, false, work);
+          } else {
+            amx_panel<false>(a0, lda0, nullptr, 0, pp, k / 2, nullptr, 0, 0, acc, false, work);
+          }
+          store_product(acc, rows, bp != nullptr ? bp + 32 * p : nullptr, silu_mul,
+                        op + r * ldo + width * p, ldo);
         }
-      };
-      for (int64_t r = r0; r < r1; r += 32) {
-        const int64_t rows = std::min<int64_t>(32, r1 - r);
-        int64_t lda0 = 0, lda1 = 0;
-        const c10::BFloat16* a0 = tiles.at(r, lda0);
-        if (rows > 16) {
-          const c10::BFloat16* a1 = tiles.at(r + 16, lda1);
-          amx_panel<true>(a0, lda0, a1, lda1, pp, k / 2, nullptr, 0, 0, acc, false, work);
-        } else {
-          amx_panel<false>(a0, lda0, nullptr, 0, pp, k / 2, nullptr, 0, 0, acc, false, work);
-        }
-        store_product(acc, rows, bp != nullptr ? bp + 32 * p : nullptr, silu_mul,
-                      op + r * ldo + width * p, ldo);
       }
-    }
-    release_tiles();
+      release_tiles();
+    });
   });
 }
 
-// gemm_bf16's product on AMX tiles: the same panels, bias and silu_mul, for any number of
-// rows; K (twice the panels' second size) must be a multiple of 32.
-void gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias,
-                   bool silu_mul) {
-  TORCH_CHECK(amx_permitted(), "gemm_bf16_amx: the OS gives this process no AMX tiles");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16 &&
-              out.scalar_type() == at::kBFloat16, "gemm_bf16_amx: bfloat16 tensors expected");
+namespace {
+// gemm_bf16_amx for out of type O (bfloat16, or float32 logits).
+template <typename O>
+void gemm_bf16_amx_as(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
+                      const c10::optional<at::Tensor>& bias, bool silu_mul) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.is_contiguous() && panels.is_contiguous() &&
               panels.dim() == 4 && panels.size(2) == 32 && panels.size(3) == 2,
               "gemm_bf16_amx: rows of x, packed panels [N/32, K/2, 32, 2]");
@@ -213,11 +214,11 @@ void gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optiona
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   const c10::BFloat16* wp = panels.data_ptr<c10::BFloat16>();
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  O* op = out.data_ptr<O>();
   const int64_t ldx = x.stride(0), panel_size = k2 * 64, num_panels = n / 32;
   const RowTiles tiles(xp, ldx, m, k);
   auto row_tile = [&](int64_t r, int64_t& stride) { return tiles.at(r, stride); };
-  auto store_rows = [&](const float* acc, int64_t rows, int64_t p, c10::BFloat16* o) {
+  auto store_rows = [&](const float* acc, int64_t rows, int64_t p, O* o) {
     store_product(acc, rows, bp != nullptr ? bp + p * 32 : nullptr, silu_mul, o, width);
   };
   // The 32-row tiles of rows [r0, r1) over k pairs [kc, kc + depth) of a panel (panel: at
@@ -304,6 +305,20 @@ void gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optiona
     release_tiles();
   });
 }
+}  // namespace
+
+// gemm_bf16's product on AMX tiles: the same panels, bias and silu_mul, for any number of
+// rows; K (twice the panels' second size) must be a multiple of 32.
+void gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias,
+                   bool silu_mul) {
+  TORCH_CHECK(amx_permitted(), "gemm_bf16_amx: the OS gives this process no AMX tiles");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16,
+              "gemm_bf16_amx: bfloat16 x and panels expected");
+  with_out_type(out, "gemm_bf16_amx", [&](auto o) {
+    gemm_bf16_amx_as<decltype(o)>(out, x, panels, bias, silu_mul);
+  });
+}
+
 #endif
 
 }  // namespace cpullm

@@ -37,23 +37,23 @@ inline __m512 silu_mul16(__m512 gate_sum, __m512 up_sum) {
   return _mm512_mul_ps(act, up);
 }
 
-// One row of a panel's product, 32 float32 columns in two halves, stored as bfloat16 with
-// the bias added; with SILU_MUL the halves are 16 gate and 16 up columns, and the row stored
-// is silu(gate) * up, rounded where silu_and_mul_bf16 rounds. Every bf16 GEMM ends in it.
-template <bool SILU_MUL>
-inline void store_panel_row(c10::BFloat16* out, __m512 lo, __m512 hi, __m512 bias_lo,
-                            __m512 bias_hi) {
+// One row of a panel's product, 32 float32 columns in two halves, stored as bfloat16 (or,
+// O = float, as float32: logits) with the bias added; with SILU_MUL the halves are 16 gate
+// and 16 up columns, and the row stored is silu(gate) * up, rounded where silu_and_mul_bf16
+// rounds. Every bf16 GEMM ends in it.
+template <bool SILU_MUL, typename O>
+inline void store_panel_row(O* out, __m512 lo, __m512 hi, __m512 bias_lo, __m512 bias_hi) {
   if (SILU_MUL) {
-    bf16x16_store(out, silu_mul16(_mm512_add_ps(lo, bias_lo), _mm512_add_ps(hi, bias_hi)));
+    store16(out, silu_mul16(_mm512_add_ps(lo, bias_lo), _mm512_add_ps(hi, bias_hi)));
   } else {
-    bf16x16_store(out, _mm512_add_ps(lo, bias_lo));
-    bf16x16_store(out + 16, _mm512_add_ps(hi, bias_hi));
+    store16(out, _mm512_add_ps(lo, bias_lo));
+    store16(out + 16, _mm512_add_ps(hi, bias_hi));
   }
 }
 
-template <int MR, bool PREFETCH, bool SILU_MUL>
+template <int MR, bool PREFETCH, bool SILU_MUL, typename O>
 void gemm_tile(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t k2,
-               const c10::BFloat16* bias, c10::BFloat16* out, int64_t ldo, const char* next) {
+               const c10::BFloat16* bias, O* out, int64_t ldo, const char* next) {
   __m512 acc[MR][2];
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int32_t* xp = reinterpret_cast<const int32_t*>(x);  // (k, k+1) pairs
@@ -80,14 +80,28 @@ void gemm_tile(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, 
     store_panel_row<SILU_MUL>(out + r * ldo, acc[r][0], acc[r][1], bias0, bias1);
 }
 
+template <typename O>
 using GemmTile = void (*)(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t,
-                          const c10::BFloat16*, c10::BFloat16*, int64_t, const char*);
-using GemmTiles = std::array<GemmTile, kGemmRows>;
+                          const c10::BFloat16*, O*, int64_t, const char*);
+template <typename O = c10::BFloat16>
+using GemmTiles = std::array<GemmTile<O>, kGemmRows>;
 
-// tiles<PREFETCH, SILU_MUL>[rows - 1] computes a tile of that many rows.
-template <bool PREFETCH, bool SILU_MUL, int... MR>
-constexpr GemmTiles gemm_tiles(std::integer_sequence<int, MR...>) {
-  return GemmTiles{&gemm_tile<MR + 1, PREFETCH, SILU_MUL>...};
+// gemm_tiles<PREFETCH, SILU_MUL, O>(...)[rows - 1] computes a tile of that many rows.
+template <bool PREFETCH, bool SILU_MUL, typename O, int... MR>
+constexpr GemmTiles<O> gemm_tiles(std::integer_sequence<int, MR...>) {
+  return GemmTiles<O>{&gemm_tile<MR + 1, PREFETCH, SILU_MUL, O>...};
+}
+
+// What a kernel's out holds: bfloat16, or float32 (the LM head's logits). f(O{}) runs the
+// kernel's body for that type.
+template <typename F>
+void with_out_type(const at::Tensor& out, const char* name, F&& f) {
+  if (out.scalar_type() == at::kFloat) {
+    f(float{});
+  } else {
+    TORCH_CHECK(out.scalar_type() == at::kBFloat16, name, ": bfloat16 or float32 out expected");
+    f(c10::BFloat16{});
+  }
 }
 
 // out [m, n] = x [m, k] @ W.T (+ bias) for a W that is never held in bfloat16 whole:
@@ -97,18 +111,19 @@ constexpr GemmTiles gemm_tiles(std::integer_sequence<int, MR...>) {
 // [m, n / 2]; the bias, if any, 16 gate and 16 up values a panel). Each thread dequantizes
 // its panels one at a time and runs every row of x over each: x comes from L3 (or L2, up
 // to a few hundred rows), the panel from L1/L2.
-template <typename Dequantize>
-void gemm_on_panels(at::Tensor& out, const at::Tensor& x, int64_t n,
-                    const c10::optional<at::Tensor>& bias, Dequantize&& dequantize,
-                    bool silu_mul) {
-  static const GemmTiles plain = gemm_tiles<false, false>(std::make_integer_sequence<int, kGemmRows>{});
-  static const GemmTiles fused = gemm_tiles<false, true>(std::make_integer_sequence<int, kGemmRows>{});
-  const GemmTiles& tiles = silu_mul ? fused : plain;
+template <typename O, typename Dequantize>
+void gemm_on_panels_as(at::Tensor& out, const at::Tensor& x, int64_t n,
+                       const c10::optional<at::Tensor>& bias, Dequantize&& dequantize,
+                       bool silu_mul) {
+  using Rows = std::make_integer_sequence<int, kGemmRows>;
+  static const GemmTiles<O> plain = gemm_tiles<false, false, O>(Rows{});
+  static const GemmTiles<O> fused = gemm_tiles<false, true, O>(Rows{});
+  const GemmTiles<O>& tiles = silu_mul ? fused : plain;
   const int64_t m = x.size(0), k = x.size(1), width = silu_mul ? 16 : 32;
   const at::Tensor xs = rows_apart(x);
   const c10::BFloat16* xp = xs.data_ptr<c10::BFloat16>();
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  O* op = out.data_ptr<O>();
   const int64_t ldx = xs.stride(0), ldo = out.stride(0);
   at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> panel(16 * k);  // [k / 2][32] pairs
@@ -121,6 +136,15 @@ void gemm_on_panels(at::Tensor& out, const at::Tensor& x, int64_t n,
                         op + r * ldo + width * p, ldo, nullptr);
       }
     }
+  });
+}
+
+template <typename Dequantize>
+void gemm_on_panels(at::Tensor& out, const at::Tensor& x, int64_t n,
+                    const c10::optional<at::Tensor>& bias, Dequantize&& dequantize,
+                    bool silu_mul) {
+  with_out_type(out, "gemm_on_panels", [&](auto o) {
+    gemm_on_panels_as<decltype(o)>(out, x, n, bias, dequantize, silu_mul);
   });
 }
 

@@ -54,7 +54,10 @@ void decode_attention_amx(at::Tensor out, at::Tensor q, at::Tensor key_cache,
 #endif
 
 // quant_gemm.cpp: x @ W.T with W kept quantized (u, scales, mins or a zero point); on
-// AVX-512 VNNI, or on AVX2's int8 multiply-adds
+// AVX-512 VNNI, or on AVX2's int8 multiply-adds. out is bfloat16, or float32 for an LM
+// head's logits, where the int8 dot products (quant_gemm, quant_gemm_tiled_int8) quantize x
+// in two levels and every kernel but quant_gemm_grouped, quant_gemm_bf16_amx and
+// quant_gemm_int8_amx stores its float32 sums unrounded; so do gemm_bf16 and gemm_bf16_amx.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 void quant_gemm(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                 c10::optional<at::Tensor> mins, int64_t bits, int64_t block, int64_t zero,

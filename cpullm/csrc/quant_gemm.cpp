@@ -140,18 +140,22 @@ struct QuantizedX {
   int64_t q_stride, block_stride;
 };
 
-// x[0, len) (len a multiple of 16) as int8 q, to nearest, with d = max |x| / 127; returns d,
-// and sum(q) in total.
+// x[0, len) (len a multiple of 16; bfloat16, or float32: a remainder, below) as int8 q, to
+// nearest, with d = max |x| / 127; returns d, and sum(q) in total.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-inline float quantize_span(const c10::BFloat16* x, int64_t len, int8_t* q, int32_t& total) {
+inline __m512 widen16(const c10::BFloat16* p) { return bf16x16_load(p); }
+inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+
+template <typename T>
+inline float quantize_span(const T* x, int64_t len, int8_t* q, int32_t& total) {
   __m512 amax = _mm512_setzero_ps();
   for (int64_t c = 0; c < len; c += 16)
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(bf16x16_load(x + c)));
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(widen16(x + c)));
   const float d = _mm512_reduce_max_ps(amax) / 127.f;
   const __m512 inv = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
   __m512i sum = _mm512_setzero_si512();
   for (int64_t c = 0; c < len; c += 16) {
-    const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(bf16x16_load(x + c), inv));
+    const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(widen16(x + c), inv));
     sum = _mm512_add_epi32(sum, qi);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + c), _mm512_cvtsepi32_epi8(qi));
   }
@@ -164,19 +168,23 @@ inline __m256 bf16x8_load(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
-inline float quantize_span(const c10::BFloat16* x, int64_t len, int8_t* q, int32_t& total) {
+inline __m256 widen8(const c10::BFloat16* p) { return bf16x8_load(p); }
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+
+template <typename T>
+inline float quantize_span(const T* x, int64_t len, int8_t* q, int32_t& total) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 amax = _mm256_setzero_ps();
   for (int64_t c = 0; c < len; c += 8)
-    amax = _mm256_max_ps(amax, _mm256_and_ps(bf16x8_load(x + c), magnitude));
+    amax = _mm256_max_ps(amax, _mm256_and_ps(widen8(x + c), magnitude));
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, amax);
   const float d = *std::max_element(lanes, lanes + 8) / 127.f;
   const __m256 inv = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
   __m256i sum = _mm256_setzero_si256();
   for (int64_t c = 0; c < len; c += 16) {
-    const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(bf16x8_load(x + c), inv));
-    const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(bf16x8_load(x + c + 8), inv));
+    const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(widen8(x + c), inv));
+    const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(widen8(x + c + 8), inv));
     sum = _mm256_add_epi32(sum, _mm256_add_epi32(q0, q1));
     // int32 -> int16 -> int8 with saturation; the packs work within 128-bit halves
     const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);
@@ -191,8 +199,21 @@ inline float quantize_span(const c10::BFloat16* x, int64_t len, int8_t* q, int32
 }
 #endif
 
-template <int BLOCK>
-void quantize_row(const c10::BFloat16* x, const std::vector<Group>& groups, int8_t* q,
+// What x's int8 blocks (quantize_span's) leave of it, r = x - d q, in float32: the second
+// level of x for logits (quantize_x and quantize_blocks with two_levels), whose bfloat16
+// rounding would leave ~1/256 of each block's largest value in the products.
+inline void remainder_row(const c10::BFloat16* x, int64_t k, int64_t block, float* r) {
+  alignas(64) int8_t q[128];
+  for (int64_t b = 0; b < k; b += block) {
+    int32_t total = 0;
+    const float d = quantize_span(x + b, block, q, total);
+    for (int64_t i = 0; i < block; ++i)
+      r[b + i] = static_cast<float>(x[b + i]) - d * static_cast<float>(q[i]);
+  }
+}
+
+template <int BLOCK, typename T>
+void quantize_row(const T* x, const std::vector<Group>& groups, int8_t* q,
                   float* scale, float* sum) {
   alignas(64) int8_t block_q[BLOCK];
   for (const Group& g : groups) {
@@ -211,24 +232,36 @@ void quantize_row(const c10::BFloat16* x, const std::vector<Group>& groups, int8
   }
 }
 
-QuantizedX quantize_x(const at::Tensor& x, int64_t block, const std::vector<Group>& groups) {
-  const int64_t m = x.size(0), blocks = x.size(1) / block;
+// two_levels (logits): rows 2t and 2t + 1 hold token t's x and its remainder_row, whose
+// products the kernels add (x to ~1/32000 of a block's largest value instead of 1/254).
+QuantizedX quantize_x(const at::Tensor& x, int64_t block, const std::vector<Group>& groups,
+                      bool two_levels = false) {
+  const int64_t k = x.size(1), blocks = k / block, per_token = two_levels ? 2 : 1;
+  const int64_t m = x.size(0) * per_token;
   const Group& last = groups.back();
   const int64_t q_stride = last.x_offset + 64 * last.steps;
   QuantizedX out{std::vector<int8_t>(m * q_stride, 0), std::vector<float>(m * blocks),
                  std::vector<float>(m * blocks), q_stride, blocks};
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+  auto quantize = [&](const auto* row, int64_t t) {
+    int8_t* q = out.q.data() + t * q_stride;
+    float* s = out.scale.data() + t * blocks;
+    float* sum = out.sum.data() + t * blocks;
+    switch (block) {
+      case 16: quantize_row<16>(row, groups, q, s, sum); break;
+      case 32: quantize_row<32>(row, groups, q, s, sum); break;
+      case 64: quantize_row<64>(row, groups, q, s, sum); break;
+      default: quantize_row<128>(row, groups, q, s, sum);
+    }
+  };
+  at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> remainder(two_levels ? k : 0);
     for (int64_t t = begin; t < end; ++t) {
-      int8_t* q = out.q.data() + t * q_stride;
-      float* s = out.scale.data() + t * blocks;
-      float* sum = out.sum.data() + t * blocks;
       const c10::BFloat16* row = xp + t * x.stride(0);
-      switch (block) {
-        case 16: quantize_row<16>(row, groups, q, s, sum); break;
-        case 32: quantize_row<32>(row, groups, q, s, sum); break;
-        case 64: quantize_row<64>(row, groups, q, s, sum); break;
-        default: quantize_row<128>(row, groups, q, s, sum);
+      quantize(row, t * per_token);
+      if (two_levels) {
+        remainder_row(row, k, block, remainder.data());
+        quantize(remainder.data(), 2 * t + 1);
       }
     }
   });
@@ -281,6 +314,14 @@ auto pick_kept(int64_t bits, int64_t block, bool half, bool min) {
 
 constexpr int kItemRows = 16;  // rows of W per item of a thread's work
 constexpr int64_t kTokenBlock = 192;  // tokens whose quantized x a thread keeps in L2
+
+// Where run_item stores its products: rows ldo apart of bfloat16, or of float32 for logits,
+// each token's row then the sum of its two rows of x (quantize_x's two_levels).
+struct OutRows {
+  void* data;
+  int64_t ldo;
+  bool logits;
+};
 constexpr int kTokens = 4;  // tokens of x per tile
 
 }  // namespace
@@ -502,7 +543,7 @@ inline __m256i to_bf16(__m512 v) {
 // token are reduced together and stored as one vector.
 inline void run_item(const Weight& w, const std::vector<Group>& groups, Kernels tiles,
                      const QuantizedX& xq, int64_t n, int64_t item, int64_t tb, int64_t te,
-                     const c10::BFloat16* bp, c10::BFloat16* op, int64_t ldo) {
+                     const c10::BFloat16* bp, const OutRows& out) {
   __m512 sums[kTokens * kItemRows];  // [token][row]
   const int64_t r0 = item * kItemRows, rows = std::min<int64_t>(kItemRows, n - r0);
   const __mmask16 row_mask = static_cast<__mmask16>((1u << rows) - 1);
@@ -523,8 +564,17 @@ inline void run_item(const Weight& w, const std::vector<Group>& groups, Kernels 
       }
       if (full_rows) q += kRows - 1;
     }
+    if (out.logits) {  // (t0 even: tokens come in pairs)
+      for (int t = 0; t < tokens; t += 2)
+        _mm512_mask_storeu_ps(static_cast<float*>(out.data) + (t0 + t) / 2 * out.ldo + r0,
+                              row_mask, _mm512_add_ps(_mm512_add_ps(
+                                  reduce16(sums + t * kItemRows),
+                                  reduce16(sums + (t + 1) * kItemRows)), b));
+      continue;
+    }
     for (int t = 0; t < tokens; ++t)
-      _mm256_mask_storeu_epi16(op + (t0 + t) * ldo + r0, row_mask,
+      _mm256_mask_storeu_epi16(static_cast<c10::BFloat16*>(out.data) + (t0 + t) * out.ldo + r0,
+                               row_mask,
                                to_bf16(_mm512_add_ps(reduce16(sums + t * kItemRows), b)));
   }
 }
@@ -745,7 +795,7 @@ Kernels pick(int64_t bits, int64_t block, bool half, bool min) {
 // (leading dimension ldo) with the bias bp (or none).
 inline void run_item(const Weight& w, const std::vector<Group>& groups, Kernels dots,
                      const QuantizedX& xq, int64_t n, int64_t item, int64_t tb, int64_t te,
-                     const c10::BFloat16* bp, c10::BFloat16* op, int64_t ldo) {
+                     const c10::BFloat16* bp, const OutRows& out) {
   const int64_t r0 = item * kItemRows, r1 = std::min<int64_t>(n, r0 + kItemRows);
   for (int64_t t0 = tb; t0 < te; t0 += kTokens) {
     const int tokens = static_cast<int>(std::min<int64_t>(kTokens, te - t0));
@@ -757,7 +807,14 @@ inline void run_item(const Weight& w, const std::vector<Group>& groups, Kernels 
         for (int t = 0; t < tokens; ++t) dots[0](w, groups, r, xq, t0 + t, res + t);
       }
       const float b = bp != nullptr ? static_cast<float>(bp[r]) : 0.f;
-      for (int t = 0; t < tokens; ++t) op[(t0 + t) * ldo + r] = c10::BFloat16(res[t] + b);
+      if (out.logits) {  // (t0 even: tokens come in pairs)
+        for (int t = 0; t < tokens; t += 2)
+          static_cast<float*>(out.data)[(t0 + t) / 2 * out.ldo + r] = res[t] + res[t + 1] + b;
+      } else {
+        for (int t = 0; t < tokens; ++t)
+          static_cast<c10::BFloat16*>(out.data)[(t0 + t) * out.ldo + r] =
+              c10::BFloat16(res[t] + b);
+      }
     }
   }
 }
@@ -773,8 +830,9 @@ static const RowLayout& check_quant_gemm(const at::Tensor& out, const at::Tensor
                                          const c10::optional<at::Tensor>& mins, int64_t bits,
                                          int64_t block, const c10::optional<at::Tensor>& bias,
                                          bool silu_mul = false) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
-              "quant_gemm: bfloat16 x and out expected");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 &&
+              (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
+              "quant_gemm: bfloat16 x, bfloat16 or float32 (logits) out expected");
   TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && scales.is_contiguous(),
               "quant_gemm: uint8 data and contiguous scales expected");
   TORCH_CHECK((bits == 4 || bits == 8) && (block == 16 || block == 32 || block == 64 || block == 128),
@@ -810,21 +868,24 @@ void quant_gemm(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales
       check_quant_gemm(out, x, data, scales, mins, bits, block, bias).groups;
   if (m == 0) return;
 
-  const QuantizedX xq = quantize_x(x, block, groups);
+  // float32 out (logits): x in two levels, rows 2t and 2t + 1 of xq for token t
+  const bool logits = out.scalar_type() == at::kFloat;
+  const QuantizedX xq = quantize_x(x, block, groups, logits);
+  const int64_t rows = logits ? 2 * m : m;
   const Weight w = weight_of(data, scales, mins, zero);
   const Kernels kernels = pick(bits, block, scales.scalar_type() == at::kHalf, mins.has_value());
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const int64_t ldo = out.stride(0), items = (n + kItemRows - 1) / kItemRows;
+  const OutRows op{out.data_ptr(), out.stride(0), logits};
+  const int64_t items = (n + kItemRows - 1) / kItemRows;
   // Each thread takes a run of 16-row items; for many tokens it walks them a block of
   // tokens at a time, so that their quantized x stays in L2 while its weights stream past
   // (the first pass over an item prefetches the next item's weights).
-  at::parallel_for(0, items, std::max<int64_t>(1, 16 / std::min<int64_t>(m, 16)),
+  at::parallel_for(0, items, std::max<int64_t>(1, 16 / std::min<int64_t>(rows, 16)),
                    [&](int64_t begin, int64_t end) {
-    for (int64_t tb = 0; tb < m; tb += kTokenBlock) {
-      const int64_t te = std::min(m, tb + kTokenBlock);
+    for (int64_t tb = 0; tb < rows; tb += kTokenBlock) {
+      const int64_t te = std::min(rows, tb + kTokenBlock);
       for (int64_t item = begin; item < end; ++item)
-        run_item(w, groups, kernels, xq, n, item, tb, te, bp, op, ldo);
+        run_item(w, groups, kernels, xq, n, item, tb, te, bp, op);
     }
   });
 }
@@ -840,6 +901,7 @@ void quant_gemm_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> da
               static_cast<int64_t>(offsets.size()) == weights + 1 && offsets[0] == 0 &&
               offsets[weights] == x.size(0),
               "quant_gemm_grouped: a scale (and min, bias) per weight and offsets [0, ..., rows]");
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16, "quant_gemm_grouped: bfloat16 out expected");
   auto mins_of = [&](int64_t g) {
     return mins.empty() ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(mins[g]);
   };
@@ -856,8 +918,8 @@ void quant_gemm_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> da
   if (m == 0) return;
   const QuantizedX xq = quantize_x(x, block, groups);
   const Kernels kernels = pick(bits, block, scales[0].scalar_type() == at::kHalf, !mins.empty());
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const int64_t ldo = out.stride(0), items = (n + kItemRows - 1) / kItemRows;
+  const OutRows op{out.data_ptr(), out.stride(0), false};
+  const int64_t items = (n + kItemRows - 1) / kItemRows;
   // Every (weight, 16-row item) is one unit of a single parallel loop; each runs over its
   // weight's tokens.
   at::parallel_for(0, weights * items, 1, [&](int64_t begin, int64_t end) {
@@ -867,7 +929,7 @@ void quant_gemm_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> da
       const c10::BFloat16* bp = biases.empty() ? nullptr : biases[g].data_ptr<c10::BFloat16>();
       for (int64_t tb = offsets[g]; tb < offsets[g + 1]; tb += kTokenBlock)
         run_item(w, groups, kernels, xq, n, item, tb, std::min(offsets[g + 1], tb + kTokenBlock),
-                 bp, op, ldo);
+                 bp, op);
     }
   });
 }
@@ -1176,6 +1238,7 @@ void quant_gemm_rows_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor&
                          int64_t bits, int64_t block, int64_t zero,
                          const c10::optional<at::Tensor>& bias, bool silu_mul) {
   TORCH_CHECK(amx_permitted(), "quant_gemm_bf16_amx: the OS gives this process no AMX tiles");
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16, "quant_gemm_bf16_amx: bfloat16 out expected");
   const int64_t m = x.size(0), n = data.size(0), half_n = n / 2;
   const RowLayout& layout =
       check_quant_gemm(out, x, data, scales, mins, bits, block, bias, silu_mul);
@@ -1608,20 +1671,32 @@ struct BlockQuantizedX {
   std::vector<float> scale, sum;
 };
 
-BlockQuantizedX quantize_blocks(const at::Tensor& x, int64_t block) {
-  const int64_t m = x.size(0), k = x.size(1), blocks = k / block;
+// two_levels: as quantize_x's (rows 2t and 2t + 1 for token t).
+BlockQuantizedX quantize_blocks(const at::Tensor& x, int64_t block, bool two_levels) {
+  const int64_t k = x.size(1), blocks = k / block, per_token = two_levels ? 2 : 1;
+  const int64_t m = x.size(0) * per_token;
   BlockQuantizedX out{std::vector<int8_t>(m * k), std::vector<float>(m * blocks),
                       std::vector<float>(m * blocks)};
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t b = 0; b < blocks; ++b) {
-        int32_t total = 0;
-        const float d = quantize_span(xp + t * x.stride(0) + b * block, block,
-                                      out.q.data() + t * k + b * block, total);
-        out.scale[t * blocks + b] = d;
-        out.sum[t * blocks + b] = d * static_cast<float>(total);
+  auto quantize = [&](const auto* row, int64_t t) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      int32_t total = 0;
+      const float d = quantize_span(row + b * block, block, out.q.data() + t * k + b * block,
+                                    total);
+      out.scale[t * blocks + b] = d;
+      out.sum[t * blocks + b] = d * static_cast<float>(total);
+    }
+  };
+  at::parallel_for(0, x.size(0), 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> remainder(two_levels ? k : 0);
+    for (int64_t t = begin; t < end; ++t) {
+      const c10::BFloat16* row = xp + t * x.stride(0);
+      quantize(row, t * per_token);
+      if (two_levels) {
+        remainder_row(row, k, block, remainder.data());
+        quantize(remainder.data(), 2 * t + 1);
       }
+    }
   });
   return out;
 }
@@ -1724,9 +1799,11 @@ TiledWeight check_tiled(const at::Tensor& out, const at::Tensor& x, const at::Te
                         const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                         int64_t bits, int64_t block, int64_t zero,
                         const c10::optional<at::Tensor>& bias, bool silu_mul) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
-              x.stride(1) == 1 && out.stride(1) == 1,
-              "quant_gemm_tiled: bfloat16 x and out with unit column stride expected");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && out.stride(1) == 1 &&
+              (out.scalar_type() == at::kBFloat16 ||
+               (out.scalar_type() == at::kFloat && !silu_mul)),
+              "quant_gemm_tiled: bfloat16 x, bfloat16 or float32 (logits, without silu_mul) out, "
+              "unit column strides expected");
   TORCH_CHECK((bits == 4 || bits == 8) && (block == 16 || block == 32 || block == 64 || block == 128),
               "quant_gemm_tiled: bits 4 or 8, blocks of 16, 32, 64 or 128");
   TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.dim() == 2 &&
@@ -1762,16 +1839,21 @@ void quant_gemm_tiled_int8(at::Tensor out, at::Tensor x, at::Tensor data, at::Te
   if (m == 0) return;
   const auto dots = pick_kept<TiledDots>(bits, block, scales.scalar_type() == at::kHalf,
                                          mins.has_value());
-  const BlockQuantizedX xq = quantize_blocks(x, block);
+  // float32 out (logits): x in two levels, rows 2t and 2t + 1 of xq for token t, whose
+  // products are added (a pair never splits: t0 below is a multiple of 4)
+  const bool logits = out.scalar_type() == at::kFloat;
+  const BlockQuantizedX xq = quantize_blocks(x, block, logits);
+  const int64_t rows = logits ? 2 * m : m;
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  // an item: 4 tokens by a set of two groups, g0 and g0 + apart (with silu_mul, 16 rows of
-  // gate and their 16 of up); for one token, of one group (one stream of W an item, which
+  float* const fo = logits ? out.data_ptr<float>() : nullptr;
+  c10::BFloat16* const op = logits ? nullptr : out.data_ptr<c10::BFloat16>();
+  // an item: 4 rows of xq by a set of two groups, g0 and g0 + apart (with silu_mul, 16 rows
+  // of gate and their 16 of up); for one token, of one group (one stream of W an item, which
   // keeps up with memory better than two)
   const int64_t per = !silu_mul && m == 1 ? 1 : 2;
   const int64_t sets = silu_mul ? groups / 2 : (groups + per - 1) / per;
   const int64_t apart = silu_mul ? groups / 2 : 1;
-  const int64_t quads = (m + kTiledTokens - 1) / kTiledTokens;
+  const int64_t quads = (rows + kTiledTokens - 1) / kTiledTokens;
   const int64_t block_quads = std::min<int64_t>(quads, kTiledBlockRows / kTiledTokens);
   const int64_t ldo = out.stride(0);
   at::parallel_for(0, sets * quads, 1, [&](int64_t begin, int64_t end) {
@@ -1784,10 +1866,21 @@ void quant_gemm_tiled_int8(at::Tensor out, at::Tensor x, at::Tensor data, at::Te
       const int64_t set = local / in_block;
       const int64_t t0 = (tb * block_quads + local % in_block) * kTiledTokens;
       const int64_t g0 = silu_mul ? set : per * set;
-      const int tokens = static_cast<int>(std::min<int64_t>(kTiledTokens, m - t0));
+      const int tokens = static_cast<int>(std::min<int64_t>(kTiledTokens, rows - t0));
       const int gs = silu_mul ? 2 : static_cast<int>(std::min<int64_t>(per, groups - g0));
       // up to 4 tokens, W read once as it streams from memory: prefetched
       dots[quads == 1][tokens - 1][gs - 1](w, g0, apart, xq, t0, acc);
+      if (logits) {
+        for (int t = 0; t < tokens; t += 2) {
+          float* row = fo + (t0 + t) / 2 * ldo;
+          for (int g = 0; g < gs; ++g) {
+            const int64_t r = 16 * (g0 + g);
+            const __m512 sum = _mm512_add_ps(acc[t * gs + g], acc[(t + 1) * gs + g]);
+            _mm512_storeu_ps(row + r, bp ? _mm512_add_ps(sum, bf16x16_load(bp + r)) : sum);
+          }
+        }
+        continue;
+      }
       for (int t = 0; t < tokens; ++t) {
         const __m512* sums = acc + t * gs;
         c10::BFloat16* row = op + (t0 + t) * ldo;

@@ -201,6 +201,10 @@ inline void transpose16(__m512i* v) {
 inline void bf16x16_store(c10::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
 }
+// A GEMM's 16 float32 sums stored as its output's type: bfloat16 (rounded as above), or
+// float32 as they are (the LM head's logits, whose bfloat16 rounding ties close tokens).
+inline void store16(c10::BFloat16* p, __m512 v) { bf16x16_store(p, v); }
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline __m512 bf16_round(__m512 v) {  // float32 -> nearest bfloat16 -> float32
   __m256i raw = (__m256i)_mm512_cvtneps_pbh(v);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));

@@ -193,12 +193,13 @@ class LMHead(VocabEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab_size]; under tensor parallelism this rank's ``rows`` tokens
         of the vocabulary (zeros past its end), which ``gather_logits`` puts together."""
+        # float32 logits (QuantizedWeight.logits says why), from every path
         if self.quantized is not None:
-            logits = self.quantized.matmul(hidden, None, self.ops)
+            logits = self.quantized.logits(hidden.reshape(-1, hidden.shape[-1]), self.ops)
         elif self.gemm is not None:
-            logits = self.gemm(hidden)
+            logits = self.gemm(hidden, torch.float32)
         else:
-            logits = F.linear(hidden, self.weight)
+            logits = F.linear(hidden, self.weight).float()
         if logits.shape[-1] < self.rows:  # the last rank's short slice, to gather evenly
             logits = F.pad(logits, (0, self.rows - logits.shape[-1]))
         return logits

@@ -96,7 +96,8 @@ def build_prebuilt(level: IsaLevel, into: str) -> str:
         os.replace(os.path.join(build_dir, f"{name}.so"), target)
     finally:
         shutil.rmtree(build_dir, ignore_errors=True)
-    for old in glob.glob(os.path.join(into, f"cpullm_ops_{level.name}_*.so")):
+    # (the hash's 16 hex digits: avx512_* alone would match the avx512_bf16 libraries)
+    for old in glob.glob(os.path.join(into, f"cpullm_ops_{level.name}_{'[0-9a-f]' * 16}.so")):
         if old != target:
             os.remove(old)
     return target

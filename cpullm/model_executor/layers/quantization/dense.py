@@ -219,14 +219,17 @@ class PackedGemm:
     def describe(self) -> str:
         return self.path.value + (", with SiLU-mul" if self.silu_mul else "")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ W.T (+ bias), in x's dtype or ``out_dtype`` (float32 for logits: the own
+        GEMMs store their float32 sums unrounded; oneDNN's product is widened)."""
         rows = x.reshape(-1, x.shape[-1])
         kernel = self.kernel if rows.shape[0] <= self.own_rows else self.amx
         if kernel is not None:
             if rows.stride(-1) != 1 or rows.stride(0) % 2:
                 rows = rows.contiguous()
-            out = rows.new_empty(rows.shape[0], self.output_size)
+            out = rows.new_empty(rows.shape[0], self.output_size, dtype=out_dtype or x.dtype)
             kernel(out, rows, self.panels, self.panel_bias, self.silu_mul)
             return out.view(*x.shape[:-1], self.output_size)
         out = torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
-        return self.act(out) if self.act is not None else out
+        out = self.act(out) if self.act is not None else out
+        return out if out_dtype is None else out.to(out_dtype)

@@ -156,6 +156,7 @@ class Float8Weight(QuantizedWeight):
     fmt: Float8Format  # type: ignore[assignment]
     runs_grouped = False  # (quant_gemm_grouped takes integer blocks)
     silu_mul_kernels = ()  # its kernels store the product; SiLU-mul runs after
+    float32_kernels = ("torch",)
 
     def dequantize(self, dtype: torch.dtype, index: torch.Tensor | slice | None = None
                    ) -> torch.Tensor:

@@ -59,6 +59,9 @@ class QuantizedWeight(nn.Module):
     # The kernels (kernel_for's names) that can store silu(gate) * up of a gate-up weight
     # (gate and up stacked) as they store the product.
     silu_mul_kernels: tuple[str, ...] = ("panels", "amx")
+    # The kernels that take a float32 out (``logits``): the int8 ones then quantize x in two
+    # levels, and every one stores its float32 sums unrounded.
+    float32_kernels: tuple[str, ...] = ("int8", "panels", "torch")
 
     def __init__(self, fmt: BlockFormat, data: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor | None, k: int, qtype: str, origin: str = "GGUF",
@@ -187,11 +190,15 @@ class QuantizedWeight(nn.Module):
                 run(*args, silu_mul)
             return
         # Dequantize a slice of rows at a time: never the whole weight in floats at once.
+        # (A float32 out, logits: in float32.)
+        dtype = torch.float32 if out.dtype == torch.float32 else x.dtype
+        x = x.to(dtype)
         step = max(32, (1 << 22) // self.k)
         for start in range(0, self.n, step):
             end = min(self.n, start + step)
-            w = self.dequantize(x.dtype, slice(start, end))
-            out[:, start:end] = F.linear(x, w, None if bias is None else bias[start:end])
+            w = self.dequantize(dtype, slice(start, end))
+            b = None if bias is None else bias[start:end].to(dtype)
+            out[:, start:end] = F.linear(x, w, b)
 
     @staticmethod
     def matmul_grouped(out: torch.Tensor, x: torch.Tensor, weights: list[QuantizedWeight],
@@ -212,6 +219,21 @@ class QuantizedWeight(nn.Module):
         out = rows.new_empty(rows.shape[0], self.n)
         self.matmul_into(out, rows, bias, ops)
         return out.view(*x.shape[:-1], self.n)
+
+    def logits(self, x: torch.Tensor, ops: KernelTable | None) -> torch.Tensor:
+        """x [rows, k] @ W.T as float32 (an LM head's logits). Rounded to bfloat16, logits
+        near 20 are 0.06 apart, which ties tokens whose float32 margin is that small; and
+        x's int8 blocks alone move them by ~0.01. So the int8 kernels quantize x in two
+        levels (its remainder in a second int8 row, as a second token: the weight is read
+        once for both) and the others store their sums unrounded; a kernel without a float32
+        store (``float32_kernels``) has its product widened."""
+        out = x.new_empty(x.shape[0], self.n, dtype=torch.float32)
+        kernel = self.kernel_for(x.shape[0], ops, x.dtype)
+        if kernel in self.float32_kernels:
+            self.matmul_into(out, x, None, ops, kernel)
+        else:
+            out.copy_(self.matmul(x, None, ops))
+        return out
 
     def describe(self, ops: KernelTable | None = None, dtype: torch.dtype | None = None
                  ) -> str:
@@ -242,6 +264,7 @@ class AmxInt8Weight(QuantizedWeight):
 
     runs_grouped = False
     silu_mul_kernels = ("amx_int8",)
+    float32_kernels = ("torch",)
 
     @classmethod
     def of(cls, weight: QuantizedWeight) -> AmxInt8Weight:
@@ -301,6 +324,7 @@ class TiledWeight(QuantizedWeight):
 
     runs_grouped = False
     silu_mul_kernels = ("tiled_int8", "tiled_bf16", "tiled_amx")
+    float32_kernels = ("tiled_int8", "tiled_bf16", "tiled_amx", "torch")
 
     @staticmethod
     def runs(weight: QuantizedWeight, ops: KernelTable) -> bool:

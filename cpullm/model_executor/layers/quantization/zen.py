@@ -57,11 +57,12 @@ class ZenGemm(PackedGemm):
                                    is_weight_prepacked=self.prepacked)
         return self.act(out) if self.act is not None else out
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if self.zen_small if rows.shape[0] <= _SMALL_ROWS else self.zen_large:
-            return self.zen(rows).view(*x.shape[:-1], self.output_size)
-        return super().__call__(x)
+            out = self.zen(rows).view(*x.shape[:-1], self.output_size)
+            return out if out_dtype is None else out.to(out_dtype)
+        return super().__call__(x, out_dtype)
 
 
 def zen_gemm(own: PackedGemm, weight: torch.Tensor, bias: torch.Tensor | None,
