@@ -70,6 +70,25 @@ def test_blocks_split_as_gguf_dequantizes(qtype):
     assert int(split.u.max()) < 1 << split.fmt.bits
 
 
+# tests/kquants.py's quantizers (K-quant files for the fidelity floors) against gguf's
+# dequantizer: relative error of normal weights near llama.cpp's for the type (its Q4_K
+# ~0.07, Q5_K ~0.035, Q6_K ~0.018), a zero row kept zero.
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_k_quantizer_round_trips_through_gguf(qtype):
+    from kquants import quantize_k
+
+    most = {T.Q4_K: 0.085, T.Q5_K: 0.042, T.Q6_K: 0.021}[qtype]
+
+    values = (np.random.default_rng(2).standard_normal((8, 1536)) * 0.05).astype(np.float32)
+    values[3] = 0
+    values[5] += 0.2  # a row of one sign: its mins are zero
+    back = dequantize(quantize_k(values, qtype), qtype).reshape(values.shape)
+    assert np.linalg.norm(back - values) / np.linalg.norm(values) < most
+    assert not back[3].any()
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quantize_k(values[:, :576], qtype)
+
+
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_pack_unpack_round_trip(bits, block):
