@@ -133,7 +133,7 @@ def assert_pool_free(llm: Any) -> None:
 def quantized_kernels() -> tuple[Any, list[str]]:
     """The kernel table, and the quantized kernels this machine's build has ("int8" on
     AVX-512 VNNI, "panels" with BF16 too, "amx" where the CPU has AMX tiles)."""
-    from cpullm.model_executor.layers.ops import amx_tiles_usable, load_ops
+    from cpullm.model_executor.layers.ops import load_ops
 
     ops = load_ops()
     found = []
@@ -141,7 +141,7 @@ def quantized_kernels() -> tuple[Any, list[str]]:
         found.append("int8")
     if ops is not None and ops.quant_gemm_bf16 is not None:
         found.append("panels")
-    if ops is not None and ops.quant_gemm_bf16_amx is not None and amx_tiles_usable(ops):
+    if ops is not None and ops.quant_gemm_bf16_amx is not None:
         found.append("amx")
     return ops, found
 

@@ -4,6 +4,7 @@ file mixing Q4_K, Q6_K, Q5_0 and Q8_0 tensors end to end against transformers.""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -198,14 +199,12 @@ def tiled_kernels() -> tuple[object, list[str]]:
     """The kernel table, and the kernels on 16-row tiles this machine runs: the int8 dot
     products and the AVX-512 GEMM on dequantized panels wherever the AVX-512 BF16 build
     runs, the AMX GEMM where the CPU has AMX."""
-    from cpullm.model_executor.layers.ops import amx_tiles_usable
-
     ops, _ = quantized_kernels()
     found = []
     for kernel in ("tiled_int8", "tiled_bf16"):
         if ops is not None and getattr(ops, f"quant_gemm_{kernel}") is not None:
             found.append(kernel)
-    if ops is not None and ops.quant_gemm_tiled_amx is not None and amx_tiles_usable(ops):
+    if ops is not None and ops.quant_gemm_tiled_amx is not None:
         found.append("tiled_amx")
     return ops, found
 
@@ -345,12 +344,15 @@ def test_tiled_kernel_follows_the_cpu(amx, monkeypatch):
                     "the int8 kernels on 16-row tiles")
     weight = TiledWeight.of(RawBlocks(T.Q4_1, random_blocks(
         T.Q4_1, 32, 64, np.random.default_rng(1)), (32, 64)).to_weight())
-    monkeypatch.setattr(kept, "amx_tiles_usable", lambda table: amx)
+    # the table of a CPU with AMX or without (an entry stands in: only the choice is asked)
+    table = ops.without_amx()
+    if amx:
+        table = dataclasses.replace(table, quant_gemm_tiled_amx=table.quant_gemm_tiled_bf16)
 
     def kernels_on(family: int) -> list[str]:
         info = CpuInfo("AuthenticAMD", "AMD EPYC", frozenset(), family)
         monkeypatch.setattr(kept, "cpu_info", lambda: info)
-        return [weight.kernel_for(rows, ops, torch.bfloat16)
+        return [weight.kernel_for(rows, table, torch.bfloat16)
                 for rows in (1, kept.AMX_PANELS_MIN_ROWS + 1, kept.VNNI_MAX_ROWS + 1, 4096)]
 
     if amx:

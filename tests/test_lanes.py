@@ -14,7 +14,7 @@ from test_parallel import GREEDY, NUM_NEW_TOKENS, make_prompts, step_to_the_end
 
 from cpullm import LLM, SamplingParams
 from cpullm.executor import uniproc
-from cpullm.model_executor.layers.ops import amx_tiles_usable, load_ops
+from cpullm.model_executor.layers.ops import load_ops
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU per lane")
 
@@ -122,7 +122,7 @@ def test_lane_cpus(monkeypatch):
     assert uniproc.lane_cpus(config, [0, 1]) == []  # eager: no compiled kernels, no lanes
     config.model.enforce_eager = False
     ops = load_ops()
-    if ops is not None and not amx_tiles_usable(ops):  # on by default: two lanes, few CPUs
+    if ops is not None and not ops.amx:  # on by default: two lanes, few CPUs
         assert uniproc.lane_cpus(config, [0, 1]) == [[0], [1]]
     assert uniproc.lane_cpus(config, list(range(uniproc.AUTO_LANES_MAX_CPUS + 1))) == []
 

@@ -64,7 +64,7 @@ def gemm_paths(ops: Any, weight: torch.Tensor) -> dict[str, Callable[[torch.Tens
             ops.gemm_bf16(x.new_empty(x.shape[0], n), x, panels, None, False)
 
         paths["avx512_bf16"] = avx512
-        if (ops.gemm_bf16_amx is not None and k % 32 == 0 and ops.amx_bf16_ready()):
+        if ops.gemm_bf16_amx is not None and k % 32 == 0:
             def amx(x: torch.Tensor) -> None:
                 ops.gemm_bf16_amx(x.new_empty(x.shape[0], n), x, panels, None, False)
 

@@ -1,5 +1,5 @@
 // AMX tiles: the OS permission and the one tile configuration that the AMX kernels share
-// (gemm_amx.cpp, attention.cpp). Only for code compiled with AVX-512 BF16, run only where
+// (gemm_amx.cpp, attention/, quant/). Only for code compiled with AVX-512 BF16, run only where
 // the CPU has AMX: ask amx_permitted() first.
 #pragma once
 

@@ -1,7 +1,7 @@
 // The kernels cpullm's Python side calls (bound in bindings.cpp), one file per family:
-// attention.cpp, gemm.cpp, gemm_amx.cpp, quant_gemm.cpp, fp8_gemm.cpp, pointwise.cpp (rotary, RMSNorm, SiLU-mul),
-// sampling.cpp, threads.cpp. Kernels that need an instruction set exist only where it is
-// compiled in.
+// attention/, gemm.cpp, gemm_amx.cpp, quant/ (kept-quantized weights), fp8_gemm.cpp,
+// pointwise.cpp (rotary, RMSNorm, SiLU-mul), sampling.cpp, threads.cpp. Kernels that need an
+// instruction set exist only where it is compiled in.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -10,7 +10,7 @@
 
 namespace cpullm {
 
-// attention.cpp
+// attention/decode.cpp
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
                       at::Tensor block_tables, at::Tensor seq_lens, double scale,
                       int64_t window, double softcap, c10::optional<at::Tensor> sinks);
@@ -45,7 +45,7 @@ void embedding_from_panels(at::Tensor out, at::Tensor ids, at::Tensor panels);
 bool amx_bf16_ready();
 void gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias,
                    bool silu_mul);
-// attention.cpp: decode_attention with its scores on AMX tiles (as above, where
+// attention/decode.cpp: decode_attention with its scores on AMX tiles (as above, where
 // amx_bf16_ready())
 void decode_attention_amx(at::Tensor out, at::Tensor q, at::Tensor key_cache,
                           at::Tensor value_cache, at::Tensor block_tables, at::Tensor seq_lens,
@@ -53,7 +53,7 @@ void decode_attention_amx(at::Tensor out, at::Tensor q, at::Tensor key_cache,
                           c10::optional<at::Tensor> sinks);
 #endif
 
-// quant_gemm.cpp: x @ W.T with W kept quantized (u, scales, mins or a zero point); on
+// quant/: x @ W.T with W kept quantized (u, scales, mins or a zero point); on
 // AVX-512 VNNI, or on AVX2's int8 multiply-adds. out is bfloat16, or float32 for an LM
 // head's logits, where the int8 dot products (quant_gemm, quant_gemm_tiled_int8) quantize x
 // in two levels and every kernel but quant_gemm_grouped, quant_gemm_bf16_amx and

@@ -31,7 +31,7 @@ from cpullm import envs
 from cpullm.config import EngineConfig
 from cpullm.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from cpullm.logger import init_logger
-from cpullm.model_executor.layers.ops import amx_tiles_usable, load_ops
+from cpullm.model_executor.layers.ops import load_ops
 from cpullm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -147,7 +147,7 @@ def lane_cpus(config: EngineConfig, cpus: list[int] | None) -> list[list[int]]:
         return []
     if asked is None:
         ops = None if config.model.enforce_eager else load_ops()
-        asked = 2 if (ops is not None and not amx_tiles_usable(ops)
+        asked = 2 if (ops is not None and not ops.amx
                       and len(cpus) <= AUTO_LANES_MAX_CPUS) else 1
     lanes = min(asked, len(cpus))
     if lanes == 1:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpullm.logger import init_logger
-from cpullm.model_executor.layers.ops import Kernel, KernelTable, amx_tiles_usable
+from cpullm.model_executor.layers.ops import Kernel, KernelTable
 
 logger = init_logger(__name__)
 
@@ -93,7 +93,7 @@ def decode_kernel(ops: KernelTable) -> Kernel:
     for 16-128 sequences of 192-1024 tokens (SmolLM2's and the 1B model's heads), the
     offline SmolLM2 run 2-3.5% faster. Else the AVX-512 BF16 one. Each takes every dtype and
     shape: what its bfloat16 path does not cover goes to the generic loop."""
-    amx = ops.decode_attention_amx is not None and amx_tiles_usable(ops)
+    amx = ops.decode_attention_amx is not None
     path = ("the bfloat16 scores on AMX tiles" if amx else
             "the bfloat16 scores as AVX-512 BF16 dot products where the build has them")
     if path not in _logged_paths:
@@ -108,7 +108,7 @@ def prefill_kernel(ops: KernelTable) -> Kernel | None:
     of 128 tokens of SmolLM2's heads 5.0 -> 2.55 ms a layer, 8 of 512 of a 1B Llama's 102
     -> 31 ms). Where the CPU has AMX the batched matmuls run on its tiles; they stay there
     until the fused kernel is measured against them."""
-    if ops.prefill_attention_bf16 is None or amx_tiles_usable(ops):
+    if ops.prefill_attention_bf16 is None or ops.amx:
         return None
     return ops.prefill_attention_bf16
 

@@ -23,9 +23,13 @@ CSRC = os.path.normpath(os.path.join(os.path.dirname(__file__), os.pardir, os.pa
 # -ffp-contract=off: no fused multiply-adds, so that float32 results round like the unfused
 # torch ops they replace.
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
-SOURCES = ("attention.cpp", "gemm.cpp", "gemm_amx.cpp", "quant_gemm.cpp", "fp8_gemm.cpp",
-           "pointwise.cpp", "sampling.cpp", "threads.cpp", "bindings.cpp")
-HEADERS = ("amx.h", "gemm_tiles.h", "ops.h", "vec.h")
+SOURCES = ("attention/decode.cpp", "attention/prefill.cpp", "gemm.cpp", "gemm_amx.cpp",
+           "quant/layout.cpp", "quant/dots.cpp", "quant/panels.cpp", "quant/int8_amx.cpp",
+           "quant/tiled.cpp", "fp8_gemm.cpp", "pointwise.cpp", "sampling.cpp", "threads.cpp",
+           "bindings.cpp")
+HEADERS = ("amx.h", "gemm_tiles.h", "ops.h", "vec.h", "attention/common.h",
+           "attention/decode_bf16.h", "attention/decode_amx.h", "quant/kept.h", "quant/dots.h",
+           "quant/dots_avx512.h", "quant/dots_avx2.h")
 
 
 @dataclass(frozen=True)

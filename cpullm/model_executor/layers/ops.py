@@ -2,8 +2,10 @@
 
 ``load_ops()`` returns a ``KernelTable``, or None when the kernels cannot be built (no
 compiler, no headers): callers then use plain torch ops, which is also what
-``--enforce-eager`` selects. The table says in one place which kernels this build has
-(those that need AVX-512, VNNI or BF16 are None without them).
+``--enforce-eager`` selects. The table says in one place which kernels run here: those
+that need AVX-512, VNNI or BF16 are None in a build without them, and the AMX ones are
+None unless this CPU has the tiles and the OS grants them to the process (asked once, as
+the table is made), so that callers test an entry, never the CPU.
 
 Installing the package builds one library per instruction-set level
 (``kernel_build.py``, run by setup.py) into ``cpullm/_kernels/``, each named after the
@@ -20,6 +22,7 @@ editing the sources.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -55,8 +58,8 @@ class KernelTable:
     gemm_bf16: Kernel | None
     gemm_bf16_grouped: Kernel | None
     embedding_from_panels: Kernel | None
-    amx_bf16_ready: Kernel | None  # compiled with AVX-512 BF16; see amx_tiles_usable()
-    gemm_bf16_amx: Kernel | None
+    amx_bf16_ready: Kernel | None  # compiled with AVX-512 BF16: asks the OS for the tiles
+    gemm_bf16_amx: Kernel | None  # AMX_KERNELS: where the tiles run (AMX-BF16, AMX-INT8)
     decode_attention_amx: Kernel | None
     prefill_softmax_bf16: Kernel | None
     prefill_attention_bf16: Kernel | None
@@ -76,9 +79,26 @@ class KernelTable:
 
     @classmethod
     def of(cls, module: ModuleType) -> KernelTable:
-        return cls(**{f.name: getattr(module, f.name, None) for f in fields(cls)
-                      if f.name not in ("module", "isa")},
-                   isa=getattr(module, "isa", "generic"), module=module)
+        """The module's kernels, the AMX ones only where they run."""
+        table = cls(**{f.name: getattr(module, f.name, None) for f in fields(cls)
+                       if f.name not in ("module", "isa")},
+                    isa=getattr(module, "isa", "generic"), module=module)
+        flags = cpu_info().flags
+        ready = table.amx_bf16_ready
+        if not ("amx_bf16" in flags and ready is not None and ready()):
+            return table.without_amx()
+        if "amx_int8" not in flags:  # (every AMX CPU so far has both)
+            return dataclasses.replace(table, quant_gemm_int8_amx=None)
+        return table
+
+    def without_amx(self) -> KernelTable:
+        """This table as a CPU without AMX has it: every AMX kernel None."""
+        return dataclasses.replace(self, **dict.fromkeys(AMX_KERNELS))
+
+    @property
+    def amx(self) -> bool:
+        """Whether the AMX kernels run here."""
+        return self.gemm_bf16_amx is not None
 
     @property
     def available(self) -> list[str]:
@@ -87,18 +107,9 @@ class KernelTable:
                 if f.name not in ("module", "isa") and getattr(self, f.name) is not None]
 
 
-@functools.cache  # asked on every quantized matmul (which kernel runs so many rows)
-def amx_tiles_usable(table: KernelTable) -> bool:
-    """Whether the AMX kernels run here: the CPU has AMX-BF16, this build has the kernels
-    (compiled with AVX-512 BF16), and the OS grants this process the tile state."""
-    return "amx_bf16" in cpu_info().flags and table.amx_bf16_ready is not None \
-        and bool(table.amx_bf16_ready())
-
-
-def amx_int8_usable(table: KernelTable) -> bool:
-    """Whether the AMX-INT8 kernels run here: the AMX kernels do, and the CPU's tiles take
-    int8 products too (every AMX CPU so far has both)."""
-    return amx_tiles_usable(table) and "amx_int8" in cpu_info().flags
+# The kernels on AMX tiles: None in a KernelTable where the tiles do not run.
+AMX_KERNELS = ("gemm_bf16_amx", "decode_attention_amx", "quant_gemm_bf16_amx",
+               "quant_gemm_int8_amx", "quant_gemm_tiled_amx", "fp8_gemm_bf16_amx")
 
 
 def build_name() -> str:

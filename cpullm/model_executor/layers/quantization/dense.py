@@ -14,7 +14,7 @@ from torch import nn
 
 from cpullm.logger import init_logger
 from cpullm.model_executor.layers.activation import SiluAndMul
-from cpullm.model_executor.layers.ops import KernelTable, amx_tiles_usable
+from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import LinearMethod
 from cpullm.platform.cpu import cpu_info
 
@@ -76,12 +76,9 @@ _OWN_GEMM_ROWS_WITH_AMX = 8
 
 
 def _has_amx() -> bool:
+    """Whether oneDNN's matmul runs on AMX here (the CPU has the tiles, whatever cpullm's
+    kernel library)."""
     return "amx_bf16" in cpu_info().flags
-
-
-def _amx_runs(ops: KernelTable) -> bool:
-    """Whether this build has the AMX GEMM and the OS lets this process use the tiles."""
-    return ops.gemm_bf16_amx is not None and amx_tiles_usable(ops)
 
 
 class GemmPath(enum.Enum):
@@ -154,7 +151,7 @@ class PackedGemm:
         kernel = ops.gemm_bf16
         own = weight.dtype == torch.bfloat16 and kernel is not None and n % 32 == 0 \
             and k % 2 == 0
-        amx = own and _has_amx() and k % 32 == 0 and _amx_runs(ops)
+        amx = own and k % 32 == 0 and ops.gemm_bf16_amx is not None
         self.kernel = kernel if own else None
         self.amx = ops.gemm_bf16_amx if amx else None
         self.act = silu_mul

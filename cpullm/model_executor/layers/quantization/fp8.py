@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cpullm.model_executor.layers.ops import KernelTable, amx_tiles_usable
+from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization.kept import QuantizedWeight
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -171,8 +171,7 @@ class Float8Weight(QuantizedWeight):
         return ops is not None and ops.fp8_gemm_bf16 is not None and dtype == torch.bfloat16
 
     def amx_runs(self, ops: KernelTable) -> bool:
-        return ops.fp8_gemm_bf16_amx is not None and self.k % 32 == 0 \
-            and amx_tiles_usable(ops)
+        return ops.fp8_gemm_bf16_amx is not None and self.k % 32 == 0
 
     def kernel_for(self, rows: int, ops: KernelTable | None, dtype: torch.dtype) -> str:
         """"dot" (BF16 dot products on the bytes as read), "panels" (cpullm's bf16 GEMM

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpullm.model_executor.layers.ops import KernelTable, amx_int8_usable, amx_tiles_usable
+from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization import LinearMethod
 from cpullm.model_executor.layers.quantization.dense import PackedGemm
 from cpullm.model_executor.layers.quantization.gguf_blocks import (
@@ -132,8 +132,7 @@ class QuantizedWeight(nn.Module):
         it is."""
         if ops is None:
             return self
-        if self.row_scales is not None and ops.quant_gemm_int8_amx is not None \
-                and amx_int8_usable(ops):
+        if self.row_scales is not None and ops.quant_gemm_int8_amx is not None:
             return AmxInt8Weight.of(self)
         if tiles and TiledWeight.runs(self, ops):
             return TiledWeight.of(self)
@@ -148,8 +147,7 @@ class QuantizedWeight(nn.Module):
     def amx_runs(self, ops: KernelTable) -> bool:
         """Whether the dequantized panels can run on AMX tiles here (K the tile depth's
         multiple)."""
-        return ops.quant_gemm_bf16_amx is not None and self.k % 32 == 0 \
-            and amx_tiles_usable(ops)
+        return ops.quant_gemm_bf16_amx is not None and self.k % 32 == 0
 
     def kernel_for(self, rows: int, ops: KernelTable | None, dtype: torch.dtype) -> str:
         """What multiplies ``rows`` rows of x: "int8" (cpullm's dot products on the blocks,
@@ -260,7 +258,7 @@ class AmxInt8Weight(QuantizedWeight):
     """Per-channel INT8 (``QuantizedWeight.row_scales``) laid out as AMX-INT8 tiles:
     ``data`` [n / 16, k / 64, 16, 64], tile row i holding k = 64 j + 4 i .. + 3 of 16 rows of
     W (u = q + 128, as stored), which the kernel reads as they lie, x quantized per token
-    (csrc/quant_gemm.cpp: quant_gemm_int8_amx). Every number of rows runs on them."""
+    (csrc/quant/int8_amx.cpp). Every number of rows runs on them."""
 
     runs_grouped = False
     silu_mul_kernels = ("amx_int8",)
@@ -319,7 +317,7 @@ class TiledWeight(QuantizedWeight):
     ``scales`` and ``mins`` [n / 16, blocks, 16]. Dequantized, a step is rows of an AMX
     tile's B operand as they lie (and half of a row of the AVX-512 GEMM's panels), so the
     AMX GEMM needs no transposes of W or of its products; VNNI's dot products read the
-    steps as they lie (csrc/quant_gemm.cpp: quant_gemm_tiled_*). Made wherever those
+    steps as they lie (csrc/quant/tiled.cpp: quant_gemm_tiled_*). Made wherever those
     kernels run (AVX-512 VNNI and BF16)."""
 
     runs_grouped = False
@@ -384,7 +382,7 @@ class TiledWeight(QuantizedWeight):
         if not self.kernels_run(ops, dtype):
             return "torch"
         assert ops is not None
-        if ops.quant_gemm_tiled_amx is not None and amx_tiles_usable(ops):
+        if ops.quant_gemm_tiled_amx is not None:
             return "tiled_amx" if rows > AMX_PANELS_MIN_ROWS else "tiled_int8"
         if rows > VNNI_MAX_ROWS and cpu_info().bf16_dots_outrun_vnni:
             return "tiled_bf16"

@@ -1,0 +1,270 @@
+// x @ W.T on kept-quantized weights (GGUF block types; AWQ, GPTQ and compressed-tensors
+// int groups), in the layout that cpullm/model_executor/layers/quantization/gguf_blocks.py
+// packs: per row of W, small unsigned integers u, a scale per block of 16, 32, 64 or 128
+// weights (float16 or float32) and either a min per block (w = s * u + m) or a zero point
+// (w = s * (u - zero)).
+//
+// x is quantized to int8 per block (scale dx, and dx * sum(q) per block), so that each
+// block's dot product is an integer one, four u8 x s8 products per lane per VNNI
+// instruction:
+//     sum_i w_i x_i = s dx sum_i u_i q_i + (m or -zero s) dx sum_i q_i
+// The weights are read once, as stored (4.5-10 bits each): a decode step reads 2-4x fewer
+// bytes than from bfloat16.
+//
+// Layout: the blocks of a row go in groups of 16 blocks, one block per 32-bit lane; the
+// remainder in groups of 8, 4, 2 and 1 blocks, a block over 2, 4, 8 or 16 lanes (at most
+// block / 4), so that every group fills the 16 lanes. A group of G blocks with L lanes
+// per block is S = block / (4 L) steps of 64 bytes; in step j, lane g L + i holds
+// u[4 (j L + i) .. + 3] of the group's block g:
+//
+//     16 blocks, step j:  | blk 0: u[4j..4j+3] | blk 1: u[4j..4j+3] | ... | blk 15 |
+//
+// so that the integer sums build up in registers and meet their scales once per group,
+// with no shuffling for the groups of 16. With 4 bits, steps 2i and 2i + 1 share bytes
+// (step 2i in the low halves); a one-step group of 16 lanes keeps bytes i and i + 32 of
+// its step in byte i; a one-step group of fewer lanes (one block of 32) one u per byte.
+// x is laid out in the same steps, per token.
+//
+// For many rows of x (prompts, big batches) the same blocks feed the bfloat16 GEMM instead
+// (quant_gemm_bf16): each thread dequantizes 32 rows of W at a time into a panel of the dense
+// GEMM's layout and runs its tiles on it. A VNNI instruction does 64 multiply-adds and a
+// BF16 dot product 32, but on Zen 5 the first issues once per cycle and the second twice,
+// so once a step is compute-bound the int8 path, with its unpacking and per-group scaling
+// on top, loses; dequantizing a panel costs about 8 rows of the bf16 GEMM, and from ~20
+// rows on the panels are faster (docs/quantization.md). Where the CPU has AMX, the blocks'
+// dequantized rows are the A operand of the tiles instead (quant_gemm_bf16_amx, panels.cpp).
+// Wherever these kernels run, a model's weights are laid out again in 16-row tiles after
+// loading, with kernels of their own (quant_gemm_tiled_*, tiled.cpp); the layout above stays
+// for a mixture's experts (quant_gemm_grouped) and for shapes the tiles do not take.
+// Where the CPU has no AVX-512 VNNI, the AVX2 library runs the same int8 dot products on
+// 256-bit halves of the steps, for every number of rows (dots_avx2.h).
+//
+// Files: kept.h (the layout's shared parts: groups, x's int8 blocks, the arguments'
+// checks), layout.cpp (the rows' layouts), dots.cpp with dots_avx512.h / dots_avx2.h (the
+// int8 dot products), panels.cpp (dequantized panels for the bf16 GEMMs, AVX-512 and AMX),
+// int8_amx.cpp (per-channel int8 on AMX-INT8 tiles), tiled.cpp (the 16-row tiles).
+#pragma once
+
+#include "../amx.h"
+#include "../gemm_tiles.h"
+#include "../ops.h"
+
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace cpullm {
+namespace quant {
+
+// The layouts, x's quantization and the arguments' checks: shared by the kernels of every
+// library level (each has AVX2, FMA and F16C).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+// One group of blocks of a row, as laid out above.
+struct Group {
+  int64_t first_block;
+  int blocks, lanes_per_block, steps;
+  int64_t weight_offset;  // bytes into a row of W
+  int64_t x_offset;       // bytes into a token's quantized x
+};
+
+// A row's layout for a shape: its groups; for the AMX kernel, the pair of x that each dword
+// of a row's chunks meets (-1: none) and the dword that meets each pair. It depends on the
+// shape alone: made at a shape's first call, and kept.
+struct RowLayout {
+  std::vector<Group> groups;
+  std::vector<int32_t> pairs, slot_of;
+};
+
+// A shape's layout (made at its first call, and kept).
+const RowLayout& layout_of(int64_t blocks, int block, int bits);
+
+// The arguments' checks, shared by the kernels; the layout of a row of W. silu_mul: out
+// holds silu(gate) * up of W's two halves, n / 2 columns.
+const RowLayout& check_quant_gemm(const at::Tensor& out, const at::Tensor& x,
+                                  const at::Tensor& data, const at::Tensor& scales,
+                                  const c10::optional<at::Tensor>& mins, int64_t bits,
+                                  int64_t block, const c10::optional<at::Tensor>& bias,
+                                  bool silu_mul = false);
+
+// x[0, len) (len a multiple of 16; bfloat16, or float32: a remainder_row) as int8 q, to
+// nearest, with d = max |x| / 127; returns d, and sum(q) in total.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512 widen16(const c10::BFloat16* p) { return bf16x16_load(p); }
+inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+
+template <typename T>
+inline float quantize_span(const T* x, int64_t len, int8_t* q, int32_t& total) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t c = 0; c < len; c += 16)
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(widen16(x + c)));
+  const float d = _mm512_reduce_max_ps(amax) / 127.f;
+  const __m512 inv = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t c = 0; c < len; c += 16) {
+    const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(widen16(x + c), inv));
+    sum = _mm512_add_epi32(sum, qi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + c), _mm512_cvtsepi32_epi8(qi));
+  }
+  total = _mm512_reduce_add_epi32(sum);
+  return d;
+}
+#else
+inline __m256 bf16x8_load(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+inline __m256 widen8(const c10::BFloat16* p) { return bf16x8_load(p); }
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+
+template <typename T>
+inline float quantize_span(const T* x, int64_t len, int8_t* q, int32_t& total) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 amax = _mm256_setzero_ps();
+  for (int64_t c = 0; c < len; c += 8)
+    amax = _mm256_max_ps(amax, _mm256_and_ps(widen8(x + c), magnitude));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax);
+  const float d = *std::max_element(lanes, lanes + 8) / 127.f;
+  const __m256 inv = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
+  __m256i sum = _mm256_setzero_si256();
+  for (int64_t c = 0; c < len; c += 16) {
+    const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(widen8(x + c), inv));
+    const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(widen8(x + c + 8), inv));
+    sum = _mm256_add_epi32(sum, _mm256_add_epi32(q0, q1));
+    // int32 -> int16 -> int8 with saturation; the packs work within 128-bit halves
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);
+    const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(words, words), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + c), _mm256_castsi256_si128(bytes));
+  }
+  alignas(32) int32_t sums[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sums), sum);
+  total = 0;
+  for (int32_t v : sums) total += v;
+  return d;
+}
+#endif
+
+// What x's int8 blocks (quantize_span's) leave of it, r = x - d q, in float32: the second
+// level of x for logits (quantize_x and quantize_blocks with two_levels), whose bfloat16
+// rounding would leave ~1/256 of each block's largest value in the products.
+inline void remainder_row(const c10::BFloat16* x, int64_t k, int64_t block, float* r) {
+  alignas(64) int8_t q[128];
+  for (int64_t b = 0; b < k; b += block) {
+    int32_t total = 0;
+    const float d = quantize_span(x + b, block, q, total);
+    for (int64_t i = 0; i < block; ++i)
+      r[b + i] = static_cast<float>(x[b + i]) - d * static_cast<float>(q[i]);
+  }
+}
+
+// Calls quantize(row, r) on each row of x's quantization: token t's x as row t, or with
+// two_levels (logits) as row 2t and its remainder_row (float32) as row 2t + 1.
+template <typename F>
+void quantize_levels(const at::Tensor& x, int64_t block, bool two_levels, int64_t grain,
+                     const F& quantize) {
+  const int64_t k = x.size(1);
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, x.size(0), grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> remainder(two_levels ? k : 0);
+    for (int64_t t = begin; t < end; ++t) {
+      const c10::BFloat16* row = xp + t * x.stride(0);
+      if (!two_levels) {
+        quantize(row, t);
+        continue;
+      }
+      quantize(row, 2 * t);
+      remainder_row(row, k, block, remainder.data());
+      quantize(static_cast<const float*>(remainder.data()), 2 * t + 1);
+    }
+  });
+}
+
+struct Weight {
+  const uint8_t* data;
+  int64_t row_bytes;
+  const void* scales;
+  const void* mins;
+  int64_t blocks;  // per row
+  float zero;
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Scales and mins of up to 16 blocks as float32.
+inline __m512 load16(const at::Half* p, __mmask16 mask) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+}
+inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+
+// 64 u of a row (one step) at p: one per byte, or two per byte sharing bytes i and i + 32.
+template <bool PAIRED>
+inline __m512i load_step(const uint8_t* p, __mmask64 bytes) {
+  if constexpr (PAIRED) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw),
+                                               _mm256_srli_epi16(raw, 4), 1),
+                            _mm512_set1_epi8(0x0F));
+  } else {
+    return _mm512_maskz_loadu_epi8(bytes, p);
+  }
+}
+
+// The index of a word permutation: words (2 l, 2 l + 1) <- words (l, l + 16).
+inline __m512i pair_halves() {
+  return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+}
+#endif
+
+// A kept weight's tensors (checked by check_quant_gemm) as the kernels read them.
+inline Weight weight_of(const at::Tensor& data, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& mins, int64_t zero) {
+  return Weight{data.data_ptr<uint8_t>(), data.size(1), scales.data_ptr(),
+                mins.has_value() ? mins->data_ptr() : nullptr, scales.size(1),
+                static_cast<float>(zero)};
+}
+
+// The instance Of<BITS, BLOCK, S, MIN>::entry of a kernel template (a function, or a table
+// of them) for a weight's layout: u of 4 or 8 bits, blocks of 16, 32, 64 or 128, float16
+// or float32 scales, mins or a zero point. GGUF's types use blocks of 16 and 32
+// (gguf_blocks.FORMATS); the group-quantized formats (AWQ, GPTQ, compressed-tensors) blocks
+// of their group size, or of 128 with a scale repeated for larger groups and per-channel
+// scales.
+template <template <int, int, typename, bool> class Of, int BITS, int BLOCK>
+auto pick_scales(bool half, bool min) {
+  if (half) return min ? Of<BITS, BLOCK, at::Half, true>::entry : Of<BITS, BLOCK, at::Half, false>::entry;
+  return min ? Of<BITS, BLOCK, float, true>::entry : Of<BITS, BLOCK, float, false>::entry;
+}
+
+template <template <int, int, typename, bool> class Of, int BITS>
+auto pick_block(int64_t block, bool half, bool min) {
+  switch (block) {
+    case 16: return pick_scales<Of, BITS, 16>(half, min);
+    case 32: return pick_scales<Of, BITS, 32>(half, min);
+    case 64: return pick_scales<Of, BITS, 64>(half, min);
+    default: return pick_scales<Of, BITS, 128>(half, min);
+  }
+}
+
+template <template <int, int, typename, bool> class Of>
+auto pick_kept(int64_t bits, int64_t block, bool half, bool min) {
+  return bits == 4 ? pick_block<Of, 4>(block, half, min) : pick_block<Of, 8>(block, half, min);
+}
+
+// The bias of each panel's 32 columns: with silu_mul, a panel is 16 rows of gate and the
+// same 16 of up, and its bias too.
+inline c10::optional<at::Tensor> panel_bias(const c10::optional<at::Tensor>& bias, int64_t n,
+                                            bool silu_mul) {
+  if (!silu_mul || !bias.has_value()) return bias;
+  return bias->view({2, n / 32, 16}).transpose(0, 1).contiguous();
+}
+
+#endif
+
+}  // namespace quant
+}  // namespace cpullm
