@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import amx_or_skip
 
 from cpullm.model_executor.layers.ops import load_ops
-from cpullm.model_executor.layers.quantization.dense import panels_of
+from cpullm.model_executor.layers.packed_gemm import GemmPath, panels_of
 from cpullm.platform import cpu_info
 
 ops = load_ops()
@@ -158,16 +158,16 @@ needs_amx_tiles = pytest.mark.skipif(ops is None or ops.gemm_bf16_amx is None,
                                      reason="the AMX GEMM needs AMX-BF16 tiles")
 
 
-def _expected_path(dense, amx: bool, output_size: int, input_size: int):
+def _expected_path(amx: bool, output_size: int, input_size: int):
     """The path PackedGemm picks: AMX tiles where the CPU (or the test) says AMX and the
     tiles run here, for input sizes a multiple of 32; the older split on AMX CPUs else."""
     if output_size % 32:
-        return dense.GemmPath.ONEDNN
+        return GemmPath.ONEDNN
     if not amx:
-        return dense.GemmPath.OWN
+        return GemmPath.OWN
     if input_size % 32 == 0 and ops.gemm_bf16_amx is not None:
-        return dense.GemmPath.AMX
-    return dense.GemmPath.OWN_THEN_ONEDNN
+        return GemmPath.AMX
+    return GemmPath.OWN_THEN_ONEDNN
 
 
 @needs_bf16
@@ -178,10 +178,10 @@ def test_packed_linear_matches_float32(rows, output_size, input_size, amx, monke
     """cpullm's bf16 GEMM (output sizes a multiple of 32; row tiles of 12, blocks of 264;
     on AMX CPUs on AMX tiles, or with an input size off the tile depth only up to 8 rows)
     and oneDNN's on a prepacked weight (the rest), from rows of a wider tensor too."""
+    from cpullm.model_executor.layers import packed_gemm
     from cpullm.model_executor.layers.linear import ReplicatedLinear
-    from cpullm.model_executor.layers.quantization import dense
 
-    monkeypatch.setattr(dense, "_has_amx", lambda: amx)
+    monkeypatch.setattr(packed_gemm, "_has_amx", lambda: amx)
     table = ops if amx else ops.without_amx()  # (a CPU without AMX has no AMX kernels)
     torch.manual_seed(rows)
     layer = ReplicatedLinear(input_size, output_size, bias=True, dtype=torch.bfloat16)
@@ -193,9 +193,9 @@ def test_packed_linear_matches_float32(rows, output_size, input_size, amx, monke
     layer.process_weights_after_loading(table)
     assert layer.gemm is not None and layer.weight.numel() == 0  # the packed copy only
     assert (layer.gemm.kernel is not None) == (output_size % 32 == 0)
-    path = _expected_path(dense, amx, output_size, input_size)
+    path = _expected_path(amx, output_size, input_size)
     assert layer.gemm.path == path and layer.gemm.own_rows == path.own_rows
-    assert (layer.gemm.onednn is None) == (path in (dense.GemmPath.OWN, dense.GemmPath.AMX))
+    assert (layer.gemm.onednn is None) == (path in (GemmPath.OWN, GemmPath.AMX))
     for x in (wide[:, :input_size], wide[:, :input_size].contiguous().view(1, rows, input_size)):
         got = layer(x)
         assert got.dtype == torch.bfloat16 and got.shape == (*x.shape[:-1], output_size)
@@ -343,11 +343,11 @@ def test_gate_up_silu_fused_matches_unfused(rows, intermediate, amx, monkeypatch
     """silu(gate) * up in the GEMM's store (1536: interleaved panels; on AMX tiles with AMX)
     equals the merged GEMM followed by the SiLU-mul kernel bit for bit; 1544 (not a
     multiple of 16) runs oneDNN's GEMM, then the kernel."""
+    from cpullm.model_executor.layers import packed_gemm
     from cpullm.model_executor.layers.activation import SiluAndMul
     from cpullm.model_executor.layers.linear import GateUpSiluLinear, MergedColumnLinear
-    from cpullm.model_executor.layers.quantization import dense
 
-    monkeypatch.setattr(dense, "_has_amx", lambda: amx)
+    monkeypatch.setattr(packed_gemm, "_has_amx", lambda: amx)
     table = ops if amx else ops.without_amx()  # (a CPU without AMX has no AMX kernels)
     torch.manual_seed(rows)
     weight = torch.randn(2 * intermediate, 576, dtype=torch.bfloat16) / 24

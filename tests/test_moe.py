@@ -92,7 +92,7 @@ def test_one_kernel_call_per_projection_is_bit_identical(hidden, expert_size, nu
 def test_rows_4k_apart_are_made_64_bytes_longer_from_16_rows():
     """A mixture's gathered rows lie 64 bytes further apart where they would be a multiple
     of 4 KiB apart and some expert has 16 or more of them; else they are contiguous."""
-    from cpullm.model_executor.layers.quantization.dense import empty_rows
+    from cpullm.model_executor.layers.packed_gemm import empty_rows
 
     like = torch.empty(0, dtype=torch.bfloat16)
     assert empty_rows(40, 2048, like, 16).stride() == (2080, 1)

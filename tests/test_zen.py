@@ -60,10 +60,10 @@ def zentorch():
 @pytest.mark.parametrize("small, large", [(True, True), (True, False), (False, True)])
 @pytest.mark.parametrize("silu_mul", [False, True])
 def test_zentorch_gemms_where_chosen(zentorch, monkeypatch, small, large, silu_mul):
+    from cpullm.model_executor.layers import platform_gemm as zen
     from cpullm.model_executor.layers.activation import SiluAndMul
     from cpullm.model_executor.layers.ops import load_ops
-    from cpullm.model_executor.layers.quantization import zen
-    from cpullm.model_executor.layers.quantization.dense import PackedGemm
+    from cpullm.model_executor.layers.packed_gemm import PackedGemm
 
     ops = load_ops()
     if ops is None:
@@ -89,9 +89,9 @@ def test_zentorch_gemms_where_chosen(zentorch, monkeypatch, small, large, silu_m
 
 
 def test_a_slower_zentorch_is_not_used(zentorch, monkeypatch):
+    from cpullm.model_executor.layers import platform_gemm as zen
     from cpullm.model_executor.layers.ops import load_ops
-    from cpullm.model_executor.layers.quantization import zen
-    from cpullm.model_executor.layers.quantization.dense import PackedGemm
+    from cpullm.model_executor.layers.packed_gemm import PackedGemm
 
     ops = load_ops()
     if ops is None:

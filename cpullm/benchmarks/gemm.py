@@ -52,7 +52,7 @@ def layer_shapes(config: Any) -> list[tuple[str, int, int]]:
 
 def gemm_paths(ops: Any, weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], Any]]:
     """Each path this CPU and build run for ``weight`` [n, k], as a call on x."""
-    from cpullm.model_executor.layers.quantization.dense import panels_of
+    from cpullm.model_executor.layers.packed_gemm import panels_of
 
     n, k = weight.shape
     paths: dict[str, Callable[[torch.Tensor], Any]] = {}

@@ -1,6 +1,6 @@
 """The AMD Zen platform: where zentorch (AMD's ZenDNN kernels for PyTorch) is installed on
 an AMD CPU with AVX-512, linear layers may run through it, each only where it is measured
-faster than cpullm's own GEMM on that machine (``layers/quantization/zen.py``).
+faster than cpullm's own GEMM on that machine (``layers/platform_gemm.py``).
 
 Selected, as vLLM selects its Zen platform, when /proc/cpuinfo says ``AuthenticAMD`` with
 AVX-512 and ``import zentorch`` succeeds (``pip install 'cpullm[zen]'``). float16 then

@@ -6,8 +6,9 @@ from torch import nn
 
 from cpullm import distributed
 from cpullm.model_executor.layers.ops import Kernel, KernelTable
-from cpullm.model_executor.layers.quantization import QuantizationConfig
-from cpullm.model_executor.layers.quantization.dense import PackedGemm
+from cpullm.model_executor.layers.packed_gemm import PackedGemm
+from cpullm.model_executor.layers.platform_gemm import create_gemm
+from cpullm.model_executor.layers.quantization.base import QuantizationConfig
 from cpullm.model_executor.layers.quantization.gguf import RawBlocks
 from cpullm.model_executor.layers.quantization.int_groups import CheckpointScheme, IntGroups
 from cpullm.model_executor.layers.quantization.kept import QuantizedWeight
@@ -168,7 +169,7 @@ class LMHead(VocabEmbedding):
             table.quantized = table.quantized.for_kernels(ops)
             self.quantized = table.quantized
         else:
-            self.gemm = PackedGemm.create(self.weight.data, None, ops)
+            self.gemm = create_gemm(self.weight.data, None, ops)
             if self.tied is not None and self.gemm is not None and ops is not None:
                 self.tied.read_from(self.gemm, ops)
 

@@ -28,8 +28,9 @@ from torch import nn
 from cpullm import distributed
 from cpullm.model_executor.layers.activation import SiluAndMul
 from cpullm.model_executor.layers.ops import KernelTable
-from cpullm.model_executor.layers.quantization import QuantizationConfig
-from cpullm.model_executor.layers.quantization.dense import DenseLinearMethod, PackedGemm
+from cpullm.model_executor.layers.packed_gemm import PackedGemm
+from cpullm.model_executor.layers.quantization.base import QuantizationConfig
+from cpullm.model_executor.layers.quantization.dense import DenseLinearMethod
 
 
 class LinearBase(nn.Module):

@@ -25,7 +25,7 @@ from torch import nn
 
 from cpullm.model_executor.layers.linear import MergedColumnLinear, ReplicatedLinear
 from cpullm.model_executor.layers.ops import KernelTable
-from cpullm.model_executor.layers.quantization import QuantizationConfig
+from cpullm.model_executor.layers.quantization.base import QuantizationConfig
 from cpullm.model_executor.loader.weights import load_named_weights
 
 _ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),

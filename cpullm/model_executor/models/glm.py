@@ -22,7 +22,7 @@ import torch
 from cpullm.model_executor.layers.attention import AttentionMetadata
 from cpullm.model_executor.layers.norm import RMSNorm
 from cpullm.model_executor.layers.ops import KernelTable
-from cpullm.model_executor.layers.quantization import QuantizationConfig
+from cpullm.model_executor.layers.quantization.base import QuantizationConfig
 from cpullm.model_executor.layers.rotary import RotaryEmbedding
 from cpullm.model_executor.layers.stage import stage_layers
 from cpullm.model_executor.loader.weights import load_named_weights

@@ -30,7 +30,7 @@ from torch import nn
 
 from cpullm.model_executor.layers.linear import MergedColumnLinear, RowParallelLinear
 from cpullm.model_executor.layers.ops import KernelTable
-from cpullm.model_executor.layers.quantization import QuantizationConfig
+from cpullm.model_executor.layers.quantization.base import QuantizationConfig
 from cpullm.model_executor.layers.rotary import RotaryEmbedding
 from cpullm.model_executor.models.llama import (
     LlamaDecoderLayer,

@@ -23,7 +23,7 @@ from cpullm.model_executor.layers.embedding import LMHead, VocabEmbedding
 from cpullm.model_executor.layers.linear import GateUpSiluLinear, QKVLinear, RowParallelLinear
 from cpullm.model_executor.layers.norm import RMSNorm
 from cpullm.model_executor.layers.ops import KernelTable
-from cpullm.model_executor.layers.quantization import QuantizationConfig
+from cpullm.model_executor.layers.quantization.base import QuantizationConfig
 from cpullm.model_executor.layers.rotary import RotaryEmbedding
 from cpullm.model_executor.layers.stage import (
     StagedDecoder,

@@ -28,8 +28,8 @@ from torch import nn
 from cpullm import distributed
 from cpullm.model_executor.layers.linear import LinearBase, ReplicatedLinear
 from cpullm.model_executor.layers.ops import KernelTable
-from cpullm.model_executor.layers.quantization import QuantizationConfig
-from cpullm.model_executor.layers.quantization.dense import empty_rows
+from cpullm.model_executor.layers.packed_gemm import empty_rows
+from cpullm.model_executor.layers.quantization.base import QuantizationConfig
 from cpullm.model_executor.layers.quantization.kept import VNNI_MAX_ROWS, QuantizedWeight
 from cpullm.model_executor.models.llama import (
     LlamaDecoderLayer,
@@ -94,7 +94,7 @@ class SparseMoE(nn.Module):
         experts (SiLU-mul fused), one for the downs, bit for bit what the per-expert calls
         give. Returns (the gate-up panels, the down panels, the rows up to which the own
         GEMM runs them grouped; above, AMX tiles or oneDNN, expert by expert), else None."""
-        from cpullm.model_executor.layers.quantization.dense import PackedGemm
+        from cpullm.model_executor.layers.packed_gemm import PackedGemm
 
         if self.ops is None or self.ops.gemm_bf16_grouped is None:
             return None

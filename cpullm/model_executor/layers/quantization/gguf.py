@@ -18,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from cpullm.model_executor.layers.quantization import LinearMethod, QuantizationConfig
+from cpullm.model_executor.layers.quantization.base import LinearMethod, QuantizationConfig
 from cpullm.model_executor.layers.quantization.gguf_blocks import block_bytes, split_blocks
 from cpullm.model_executor.layers.quantization.kept import (
     KeptLinearMethod,

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from cpullm.model_executor.layers.ops import KernelTable
-from cpullm.model_executor.layers.quantization import LinearMethod, QuantizationConfig
+from cpullm.model_executor.layers.quantization.base import LinearMethod, QuantizationConfig
 from cpullm.model_executor.layers.quantization.gguf_blocks import BlockFormat, pack
 from cpullm.model_executor.layers.quantization.kept import (
     KeptLinearMethod,

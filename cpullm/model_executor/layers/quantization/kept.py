@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpullm.model_executor.layers.ops import KernelTable
-from cpullm.model_executor.layers.quantization import LinearMethod
-from cpullm.model_executor.layers.quantization.dense import PackedGemm
+from cpullm.model_executor.layers.packed_gemm import PackedGemm
+from cpullm.model_executor.layers.platform_gemm import create_gemm
+from cpullm.model_executor.layers.quantization.base import LinearMethod
 from cpullm.model_executor.layers.quantization.gguf_blocks import (
     BlockFormat,
     SplitBlocks,
@@ -505,7 +506,7 @@ class KeptLinearMethod(LinearMethod):
         for i, segment in enumerate(segments):
             if segment.dense is not None:
                 seg_bias = None if bias is None else bias[segment.start:segment.end]
-                segment.gemm = PackedGemm.create(segment.dense, seg_bias, ops)
+                segment.gemm = create_gemm(segment.dense, seg_bias, ops)
                 if segment.gemm is not None:
                     segment.dense = None  # the packed copy replaces it
             elif segment.quantized is not None:

@@ -1,5 +1,6 @@
-"""Dense GEMMs on the AMD Zen platform: zentorch's linear (ZenDNN) for a weight where, and
-for the row counts where, it is measured faster than cpullm's own GEMM on this machine.
+"""The packed GEMM of a dense weight for this machine (``create_gemm``): ``PackedGemm``, and
+on the AMD Zen platform zentorch's linear (ZenDNN) for a weight where, and for the row
+counts where, it is measured faster than cpullm's own GEMM on this machine.
 
 Each weight shape is timed once per process, at 1 row (a decode step of one sequence) and
 at 128 (a batch of decodes, a prompt chunk), both ways; zentorch takes a side only when it
@@ -19,8 +20,10 @@ from typing import Any
 import torch
 
 from cpullm.logger import init_logger
-from cpullm.model_executor.layers.quantization.dense import PackedGemm
-from cpullm.platform.zen import weight_prepack
+from cpullm.model_executor.layers.activation import SiluAndMul
+from cpullm.model_executor.layers.ops import KernelTable
+from cpullm.model_executor.layers.packed_gemm import PackedGemm
+from cpullm.platform.zen import weight_prepack, zen_platform
 
 logger = init_logger(__name__)
 
@@ -63,6 +66,15 @@ class ZenGemm(PackedGemm):
             out = self.zen(rows).view(*x.shape[:-1], self.output_size)
             return out if out_dtype is None else out.to(out_dtype)
         return super().__call__(x, out_dtype)
+
+
+def create_gemm(weight: torch.Tensor, bias: torch.Tensor | None, ops: KernelTable | None,
+                silu_mul: SiluAndMul | None = None) -> PackedGemm | None:
+    """``PackedGemm.create``'s packed weight, on the AMD Zen platform with zentorch's linear
+    where it measures faster."""
+    gemm = PackedGemm.create(weight, bias, ops, silu_mul)
+    zentorch = zen_platform() if gemm is not None else None
+    return gemm if zentorch is None else zen_gemm(gemm, weight, bias, zentorch)
 
 
 def zen_gemm(own: PackedGemm, weight: torch.Tensor, bias: torch.Tensor | None,
