@@ -1,6 +1,6 @@
 # Two commands on a fresh machine with only Python and pip:
 #   make serve  set up, then serve the default model (SmolLM2-135M-Instruct) on 127.0.0.1:8000
-#   make test   set up, then run the test suite
+#   make test   set up, then run the test suite (`make test-fast`: its fast tier)
 # and `make chat` to chat with the default model in the terminal; `make serve ARGS="--task
 # embed"` serves the default embedding model (all-MiniLM-L6-v2) instead.
 PYTHON ?= python3
@@ -14,7 +14,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup serve chat test clean
+.PHONY: setup serve chat test test-fast clean
 
 setup: $(VENV)/.installed
 
@@ -42,6 +42,10 @@ chat: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# the fast tier: no test that starts a server or engine processes, none marked slow
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow and not server and not multiproc" tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info cpullm/_kernels

@@ -1,6 +1,6 @@
 """Decode attention of one model shape over many layers, from caches that do not fit the
 CPU's caches (or do: --layers 1): the compiled kernel alone, median of its runs.
-docs/benchmarks.md quotes it.
+docs/benchmarks-log.md quotes it.
 
     python benchmarks/decode_attention.py                          # SmolLM2-135M's shape
     python benchmarks/decode_attention.py --heads 32 --kv-heads 8 --layers 16   # a 1B Llama

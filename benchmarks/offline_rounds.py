@@ -1,6 +1,6 @@
 """Offline throughput of several runs in one engine, after a short warm-up: what
 `cpullm bench throughput` measures (random prompts, temperature 1, no early stop), with
-the engine's first-run costs out of the figures. docs/benchmarks.md quotes it.
+the engine's first-run costs out of the figures. docs/benchmarks-log.md quotes it.
 
     python benchmarks/offline_rounds.py MODEL                       # 3 runs of 128 x 128/128
     CPULLM_COMPUTE_LANES=1 python benchmarks/offline_rounds.py MODEL   # lanes off

@@ -1,7 +1,7 @@
 """Prompt attention of one step's fresh prompts, one layer: the fused kernel against the
 batched path it replaces where the CPU has no AMX (two bfloat16 batched matmuls around
 prefill_softmax_bf16, then the copy back), in turn, medians of their runs.
-docs/benchmarks.md quotes it.
+docs/benchmarks-log.md quotes it.
 
     python benchmarks/prompt_attention.py             # 32 prompts of 128, SmolLM2's heads
     python benchmarks/prompt_attention.py --heads 32 --kv-heads 8 --prompts 8 --len 512

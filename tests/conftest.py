@@ -1,7 +1,10 @@
-"""Shared fixtures: tiny random-weight models saved by transformers into temp folders."""
+"""Shared fixtures: tiny random-weight models saved by transformers into temp folders; the
+test tiers (markers, below)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -12,6 +15,34 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# Modules whose every test runs the engine in processes of its own (ranks, replicas, the
+# engine core): the "multiproc" tier.
+MULTIPROC_MODULES = ("test_parallel", "test_engine_process")
+
+
+@functools.cache
+def _starts_a_server(function: Any) -> bool:
+    try:
+        return "RemoteServer(" in inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks the tiers that `make test-fast` leaves out: "server" for a test that starts an
+    HTTP server, itself or through one of its fixtures; "multiproc" for MULTIPROC_MODULES'
+    tests ("slow" is marked where the test is)."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        functions = [getattr(item, "function", None)]
+        for name in item.fixturenames:
+            functions += [d.func for d in (info.name2fixturedefs.get(name, ()) if info else ())]
+        if any(_starts_a_server(f) for f in functions if f is not None):
+            item.add_marker(pytest.mark.server)
+        if item.module is not None and item.module.__name__ in MULTIPROC_MODULES:
+            item.add_marker(pytest.mark.multiproc)
+
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,

@@ -8,12 +8,17 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import kernels_or_skip
 
 from cpullm import LLM, SamplingParams
 from cpullm.model_executor.layers import stage
 from cpullm.model_executor.layers.ops import load_ops
 
-needs_kernels = pytest.mark.skipif(load_ops() is None, reason="no compiled kernels here")
+
+@pytest.fixture
+def kernels():
+    kernels_or_skip(load_ops() is not None, {"avx2"}, "the compiled kernels")
+
 
 PROMPTS = [[1, 2, 3, 4, 5], [100, 2000, 30000, 7], [42] * 40]
 
@@ -40,7 +45,7 @@ def _assert_same(a: list[Any], b: list[Any]) -> None:
         assert x.logprobs == y.logprobs  # bit for bit: the same kernels, the same order
 
 
-@needs_kernels
+@pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize("arch, runs", [("llama", True), ("qwen2", True),
                                         ("llama3-rope-tied", True), ("phi3", True),
                                         ("granite", True), ("qwen3", True),
@@ -63,7 +68,7 @@ def test_decode_steps_generate_what_forward_does(tiny_model, arch, runs, monkeyp
     _assert_same(with_steps, _generate(llm, False, monkeypatch))
 
 
-@needs_kernels
+@pytest.mark.usefixtures("kernels")
 def test_decode_steps_on_the_kept_default_model(monkeypatch):
     """The default model's Q4_1 blocks, kept: the layers' steps call the kept kernels with
     the arguments their layers pass."""

@@ -154,6 +154,7 @@ def family_gguf(request, tmp_path_factory, tokenizer_dir) -> tuple[Path, Path]:
     return path, folder
 
 
+@pytest.mark.slow
 def test_gguf_equals_transformers(family_gguf, tokenizer_dir):
     path, folder = family_gguf
     # (a Gemma file's tokenizer is a SentencePiece one; the test files carry SmolLM2's

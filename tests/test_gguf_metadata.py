@@ -55,6 +55,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_config_and_tokenizer_equal_transformers(case, default_fields, tmp_path):
     from transformers import AutoConfig, AutoTokenizer

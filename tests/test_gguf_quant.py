@@ -440,6 +440,7 @@ def mixed_gguf(request, tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_mixed_types_load_and_match_transformers(mixed_gguf):
     """In float32 (no quantized kernel: the blocks dequantized once at load) the file
     generates exactly what transformers generates from it. In bfloat16 it stays quantized,
@@ -484,6 +485,7 @@ def _assert_kept_mixed(model: torch.nn.Module) -> None:
     assert model.model.embed_tokens.quantized.qtype == "Q8_0"
 
 
+@pytest.mark.slow
 def test_mixed_types_on_the_avx2_kernels(mixed_gguf, monkeypatch):
     """With CPULLM_KERNEL_ISA=avx2 the AVX2 library runs (what a CPU with AVX2 and no
     AVX-512 gets): the file stays quantized on its int8 kernels, whose greedy tokens follow

@@ -38,7 +38,10 @@ def golden(request, tiny_model):
     return model_dir, prompts, hf_greedy(model_dir, prompts, NUM_NEW_TOKENS)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+# every architecture on the default settings in the fast tier, the other settings (covered
+# there by the scheduler's and the KV cache's own tests) in the full suite
+@pytest.mark.parametrize("variant", ["default", *(pytest.param(name, marks=pytest.mark.slow)
+                                                  for name in VARIANTS if name != "default")])
 def test_greedy_matches_transformers(golden, variant):
     model_dir, prompts, expected = golden
     llm = LLM(str(model_dir), dtype="float32", block_size=32, **VARIANTS[variant])

@@ -431,6 +431,7 @@ def write_compressed_tensors(root: Path, tokenizer_dir: Path, name: str) -> Path
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CT_SCHEMES))
 def test_compressed_tensors_checkpoint_matches_transformers(name, tmp_path, tokenizer_dir):
     from transformers import AutoModelForCausalLM

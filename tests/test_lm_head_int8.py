@@ -19,6 +19,7 @@ from conftest import (
     assert_greedy_follows,
     greedy_outputs,
     hf_greedy,
+    kernels_or_skip,
     quantized_kernels,
 )
 
@@ -57,8 +58,8 @@ def test_int8_lm_head_follows_its_dequantized_reference(arch, tiny_model, tmp_pa
     model, exact = greedy_outputs(str(tmp_path / "reference"), "float32")
     assert [o.token_ids for o in exact] == hf_greedy(tmp_path / "reference", GREEDY_PROMPTS, 16)
     ops, _ = quantized_kernels()
-    if not QuantizedWeight.kernels_run(ops, torch.bfloat16):
-        pytest.skip("--lm-head-quantization needs the quantized kernels (AVX2 and a build)")
+    kernels_or_skip(QuantizedWeight.kernels_run(ops, torch.bfloat16), {"avx2"},
+                    "--lm-head-quantization's quantized kernels")
     model, kept = greedy_outputs(str(folder), "bfloat16", lm_head_quantization="int8")
     assert_greedy_follows(exact, kept)
     weight = model.lm_head.quantized

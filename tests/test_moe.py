@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import kernels_or_skip
 
 from cpullm.model_executor.loader import finish_loading
 from cpullm.model_executor.models.qwen_moe import SparseMoE
@@ -71,8 +72,8 @@ def test_one_kernel_call_per_projection_is_bit_identical(hidden, expert_size, nu
     from cpullm.model_executor.layers.ops import load_ops
 
     ops = load_ops()
-    if ops is None or ops.gemm_bf16_grouped is None:
-        pytest.skip("no bfloat16 GEMM kernel on this CPU (AVX-512 BF16)")
+    kernels_or_skip(ops is not None and ops.gemm_bf16_grouped is not None, {"avx512_bf16"},
+                    "the grouped bfloat16 GEMM")
     torch.manual_seed(tokens)
     moe = SparseMoE(hidden, expert_size, num_experts=num_experts, top_k=2, normalize=True,
                     dtype=torch.bfloat16, ops=ops, quant_config=None)

@@ -7,11 +7,13 @@ import json
 import subprocess
 import sys
 
+import pytest
 from server_utils import RemoteServer
 
 CLIENTS, SECONDS, WARMUP = 64, 60, 20
 
 
+@pytest.mark.slow
 def test_soak_with_vanishing_clients(tiny_model, tmp_path):
     srv = RemoteServer([str(tiny_model("llama")), "--dtype", "float32", "--max-model-len", "512"])
     result_file = tmp_path / "soak.json"

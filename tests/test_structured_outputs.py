@@ -60,6 +60,7 @@ def _chat(i: int, what: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Describe {what} (#{i}) as JSON."}]
 
 
+@pytest.mark.slow
 def test_fifty_json_answers_parse_and_validate(llm):
     """50 prompts over 5 schemas, sampled at temperature 1: every answer is JSON that
     validates against its schema."""

@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import kernels_or_skip
 from cpu_platform.machines import MACHINES, make_machine
 
 from cpullm.platform import CpuTopology, resolve_dtype
@@ -66,8 +67,7 @@ def test_zentorch_gemms_where_chosen(zentorch, monkeypatch, small, large, silu_m
     from cpullm.model_executor.layers.packed_gemm import PackedGemm
 
     ops = load_ops()
-    if ops is None:
-        pytest.skip("the CPU kernels did not build")
+    kernels_or_skip(ops is not None, {"avx2"}, "the CPU kernels")
     monkeypatch.setattr(zen, "_choices", {})
     monkeypatch.setattr(zen, "_measure", lambda *args: (small, large))
     torch.manual_seed(0)
@@ -94,8 +94,7 @@ def test_a_slower_zentorch_is_not_used(zentorch, monkeypatch):
     from cpullm.model_executor.layers.packed_gemm import PackedGemm
 
     ops = load_ops()
-    if ops is None:
-        pytest.skip("the CPU kernels did not build")
+    kernels_or_skip(ops is not None, {"avx2"}, "the CPU kernels")
     monkeypatch.setattr(zen, "_choices", {})
     monkeypatch.setattr(zen, "_measure", lambda *args: (False, False))
     weight = torch.randn(64, 64).to(torch.bfloat16)
