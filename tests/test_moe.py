@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import kernels_or_skip
 
+from cpullm.model_executor.layers.moe import SparseMoE
 from cpullm.model_executor.loader import finish_loading
-from cpullm.model_executor.models.qwen_moe import SparseMoE
 
 
 def _reference(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from cpullm.config import ModelConfig
 from cpullm.logger import init_logger
 from cpullm.model_executor.layers.embedding import LMHead
 from cpullm.model_executor.layers.linear import LinearBase
+from cpullm.model_executor.layers.moe import SparseMoE
 from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.packed_gemm import PackedGemm
 from cpullm.model_executor.layers.quantization import get_quantization_config
@@ -20,7 +21,6 @@ from cpullm.model_executor.layers.quantization.kept import VNNI_MAX_ROWS
 from cpullm.model_executor.loader.gguf_loader import iterate_gguf
 from cpullm.model_executor.loader.safetensors_loader import iterate_pickle, iterate_safetensors
 from cpullm.model_executor.models import get_model_class
-from cpullm.model_executor.models.qwen_moe import SparseMoE
 
 logger = init_logger(__name__)
 

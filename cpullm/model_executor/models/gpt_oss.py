@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpullm.model_executor.layers.linear import MergedColumnLinear, RowParallelLinear
+from cpullm.model_executor.layers.moe import SparseMoE
 from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization.base import QuantizationConfig
 from cpullm.model_executor.layers.rotary import RotaryEmbedding
@@ -37,7 +38,6 @@ from cpullm.model_executor.models.llama import (
     LlamaForCausalLM,
     windows_by_layer_type,
 )
-from cpullm.model_executor.models.qwen_moe import SparseMoE
 
 
 class GptOssExpert(nn.Module):

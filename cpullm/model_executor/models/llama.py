@@ -20,7 +20,8 @@ from torch import nn
 from cpullm import distributed
 from cpullm.model_executor.layers.attention import AttentionMetadata, PagedAttention
 from cpullm.model_executor.layers.embedding import LMHead, VocabEmbedding
-from cpullm.model_executor.layers.linear import GateUpSiluLinear, QKVLinear, RowParallelLinear
+from cpullm.model_executor.layers.linear import QKVLinear, RowParallelLinear
+from cpullm.model_executor.layers.mlp import GatedMLP
 from cpullm.model_executor.layers.norm import RMSNorm
 from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization.base import QuantizationConfig
@@ -144,27 +145,6 @@ class LlamaAttention(nn.Module):
         return attend, min(limit for _, limit in products)
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
-                 dtype: torch.dtype, ops: KernelTable | None,
-                 quant_config: QuantizationConfig | None, reduce: bool = True) -> None:
-        """``reduce``: sum the tensor-parallel ranks' partial outputs (a mixture of experts
-        sums all its experts' at once instead)."""
-        super().__init__()
-        self.gate_up_proj = GateUpSiluLinear(hidden_size, intermediate_size, bias, dtype, ops,
-                                             quant_config)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias,
-                                           dtype=dtype, quant_config=quant_config, reduce=reduce)
-
-    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The gate-up product (where the projection has not applied SiLU-mul itself, as
-        the grouped expert kernels leave it) -> the down projection's input."""
-        return self.gate_up_proj.act(gate_up)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x))
-
-
 def add_and_norm(norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's input norm: (norm(hidden + residual), hidden + residual); the first layer,
@@ -205,7 +185,7 @@ class LlamaDecoderLayer(nn.Module):
         tensor parallelism, no compiled kernels."""
         mlp, norms = self.mlp, (self.input_layernorm, self.post_attention_layernorm)
         if (type(self).forward is not LlamaDecoderLayer.forward
-                or type(mlp).forward is not LlamaMLP.forward
+                or type(mlp).forward is not GatedMLP.forward
                 or any(type(norm).forward is not RMSNorm.forward or norm.kernel is None
                        or norm.weight.dtype != torch.bfloat16 for norm in norms)):
             return None
@@ -241,7 +221,7 @@ class LlamaDecoderLayer(nn.Module):
     def make_mlp(config: Any, index: int, dtype: torch.dtype, ops: KernelTable | None,
                  quant_config: QuantizationConfig | None) -> nn.Module:
         """Layer ``index``'s feed-forward block (a mixture of experts overrides it)."""
-        return LlamaMLP(config.hidden_size, config.intermediate_size,
+        return GatedMLP(config.hidden_size, config.intermediate_size,
                         getattr(config, "mlp_bias", False), dtype, ops, quant_config)
 
     def scale_output(self, hidden: torch.Tensor) -> torch.Tensor:
