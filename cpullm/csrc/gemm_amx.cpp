@@ -33,10 +33,6 @@ constexpr int64_t kAmxSliceK = 2048;
 
 // Tiles (amx.h): tmm0-3 the accumulators, tmm4-5 x, tmm6-7 the panel.
 
-struct NoWork {
-  void operator()() const {}
-};
-
 // acc [32][32] float32 = tiles of x (a0: rows 0-15, a1: rows 16-31, each with its own
 // stride in bytes) times one panel, over k2 pairs of k (a multiple of 16). TWO: both row
 // tiles; else a0's alone. next: a panel to prefetch into L2 as this one runs, or null:
@@ -45,48 +41,17 @@ struct NoWork {
 // k before these) instead of starting from zero. work(): after each k-step's products, as
 // the tiles compute (the next panel's dequantization, a part at a time).
 template <bool TWO, typename Work = NoWork>
-__attribute__((target("amx-tile,amx-bf16"))) void amx_panel(
-    const c10::BFloat16* a0, int64_t lda0, const c10::BFloat16* a1, int64_t lda1,
-    const c10::BFloat16* panel, int64_t k2, const char* next, int line0, int line1,
-    float* acc, bool accumulate = false, Work work = Work{}) {
-  if (accumulate) {
-    _tile_loadd(0, acc, 128);
-    _tile_loadd(1, acc + 16, 128);
-    if (TWO) {
-      _tile_loadd(2, acc + 16 * 32, 128);
-      _tile_loadd(3, acc + 16 * 32 + 16, 128);
-    }
-  } else {
-    _tile_zero(0);
-    _tile_zero(1);
-    if (TWO) {
-      _tile_zero(2);
-      _tile_zero(3);
-    }
-  }
-  for (int64_t kk = 0; kk < k2; kk += 16) {
+void amx_panel(const c10::BFloat16* a0, int64_t lda0, const c10::BFloat16* a1, int64_t lda1,
+               const c10::BFloat16* panel, int64_t k2, const char* next, int line0, int line1,
+               float* acc, bool accumulate = false, Work work = Work{}) {
+  // a k-step: 32 k of x's rows (64 bytes), 16 rows of the panel's 128-byte pairs
+  const TileSource a{{a0, a1}, {lda0, lda1}, 64}, b{{panel, panel + 32}, {128, 128}, 2048};
+  auto prefetch = [&](int64_t s) {
     if (next != nullptr)
       for (int line = line0; line < line1; ++line)
-        _mm_prefetch(next + kk * 128 + line * 64, _MM_HINT_T1);
-    const c10::BFloat16* b = panel + kk * 64;
-    _tile_loadd(6, b, 128);
-    _tile_loadd(7, b + 32, 128);
-    _tile_loadd(4, a0 + 2 * kk, lda0);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if (TWO) {
-      _tile_loadd(5, a1 + 2 * kk, lda1);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    work();
-  }
-  _tile_stored(0, acc, 128);
-  _tile_stored(1, acc + 16, 128);
-  if (TWO) {
-    _tile_stored(2, acc + 16 * 32, 128);
-    _tile_stored(3, acc + 16 * 32 + 16, 128);
-  }
+        _mm_prefetch(next + s * 2048 + line * 64, _MM_HINT_T1);
+  };
+  tile_products<TileOp::kBF16, TWO ? 2 : 1, 2>(a, b, k2 / 16, acc, accumulate, prefetch, work);
 }
 
 // x's rows as A operands: rows [r, r + 16) where they lie; the last rows past a multiple

@@ -42,36 +42,19 @@ QuantizedTokens quantize_tokens(const at::Tensor& x) {
 // acc [32 tokens][32 rows of W] (int32) = TT x 16 tokens (at a, lda bytes apart) times WR x
 // 16 rows of W (their tiles at w, w + wtile), over steps steps. next: a block of W to bring
 // into L2 as these run, or null: bytes [line0, line1) x 64 of each step's 2 KiB of it (at
-// next, next + wtile), so that the token tiles over a block share its prefetch. Tiles
-// (amx.h): tmm0-3 the sums (token tile tt, row tile wr: 2 tt + wr), tmm4-5 x, tmm6-7 W.
+// next, next + wtile), so that the token tiles over a block share its prefetch.
 template <int TT, int WR>
-__attribute__((target("amx-tile,amx-int8"))) void int8_tile_product(
-    const int8_t* a, int64_t lda, const uint8_t* w, int64_t wtile, int64_t steps,
-    const uint8_t* next, int line0, int line1, int32_t* acc) {
-  _tile_zero(0);
-  if (WR == 2) _tile_zero(1);
-  if (TT == 2) _tile_zero(2);
-  if (TT == 2 && WR == 2) _tile_zero(3);
-  for (int64_t j = 0; j < steps; ++j) {
+void int8_tile_product(const int8_t* a, int64_t lda, const uint8_t* w, int64_t wtile,
+                       int64_t steps, const uint8_t* next, int line0, int line1, int32_t* acc) {
+  // a step: 64 k of the tokens' rows, a 1 KiB tile of each 16 rows of W
+  const TileSource x{{a, a + 16 * lda}, {lda, lda}, 64}, wt{{w, w + wtile}, {64, 64}, 1024};
+  auto prefetch = [&](int64_t j) {
     if (next != nullptr)
       for (int line = line0; line < line1; ++line)
         _mm_prefetch(reinterpret_cast<const char*>(next + (line / 16) * wtile + j * 1024 +
                                                    (line % 16) * 64), _MM_HINT_T1);
-    _tile_loadd(6, w + j * 1024, 64);
-    if (WR == 2) _tile_loadd(7, w + wtile + j * 1024, 64);
-    _tile_loadd(4, a + j * 64, lda);
-    _tile_dpbsud(0, 4, 6);
-    if (WR == 2) _tile_dpbsud(1, 4, 7);
-    if (TT == 2) {
-      _tile_loadd(5, a + 16 * lda + j * 64, lda);
-      _tile_dpbsud(2, 5, 6);
-      if (WR == 2) _tile_dpbsud(3, 5, 7);
-    }
-  }
-  _tile_stored(0, acc, 128);
-  if (WR == 2) _tile_stored(1, acc + 16, 128);
-  if (TT == 2) _tile_stored(2, acc + 16 * 32, 128);
-  if (TT == 2 && WR == 2) _tile_stored(3, acc + 16 * 32 + 16, 128);
+  };
+  tile_products<TileOp::kS8U8, TT, WR>(x, wt, steps, acc, false, prefetch, NoWork{});
 }
 
 // A few tokens (T <= kInt8VnniTokens) by the same tiles on AVX-512 VNNI: row i of a tile is

@@ -220,37 +220,13 @@ const __m512i* token_tiles(const at::Tensor& x, const RowLayout& layout,
 }
 
 // acc [32 rows of W][32 tokens] = the A tiles w (both halves) by the B tiles x0 (tokens
-// 0-15) and, if TWO, x1 (16-31), over chunks chunks; work() after each chunk's products. Tiles
-// (amx.h): tmm0-3 the sums, tmm4-5 x, tmm6-7 W.
+// 0-15) and, if TWO, x1 (16-31), over chunks chunks; work() after each chunk's products.
 template <bool TWO, typename Work>
-__attribute__((target("amx-tile,amx-bf16"))) void rows_tile_product(
-    const int32_t* w, const __m512i* x0, const __m512i* x1, int64_t chunks, float* acc,
-    Work&& work) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if (TWO) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  for (int64_t c = 0; c < chunks; ++c) {
-    _tile_loadd(6, w + c * 512, 64);
-    _tile_loadd(7, w + c * 512 + 256, 64);
-    _tile_loadd(4, x0 + c * 16, 64);
-    _tile_dpbf16ps(0, 6, 4);
-    _tile_dpbf16ps(1, 7, 4);
-    if (TWO) {
-      _tile_loadd(5, x1 + c * 16, 64);
-      _tile_dpbf16ps(2, 6, 5);
-      _tile_dpbf16ps(3, 7, 5);
-    }
-    work();
-  }
-  _tile_stored(0, acc, 128);
-  _tile_stored(1, acc + 16 * 32, 128);
-  if (TWO) {
-    _tile_stored(2, acc + 16, 128);
-    _tile_stored(3, acc + 16 * 32 + 16, 128);
-  }
+void rows_tile_product(const int32_t* w, const __m512i* x0, const __m512i* x1, int64_t chunks,
+                       float* acc, Work&& work) {
+  // a chunk: 16 pairs of 32 rows of W (two 1 KiB tiles), of 16 tokens' (1 KiB)
+  const TileSource a{{w, w + 256}, {64, 64}, 2048}, b{{x0, x1}, {64, 64}, 1024};
+  tile_products<TileOp::kBF16, 2, TWO ? 2 : 1>(a, b, chunks, acc, false, [](int64_t) {}, work);
 }
 
 // 16 tokens' products with 32 rows of W (acc: [32 rows][32 tokens] float32, its first 16
