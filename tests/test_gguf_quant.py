@@ -124,32 +124,41 @@ def test_kernels_match_dequantized_reference(qtype, rows):
         assert error < (0.01 if kernel == "int8" else 0.004), (kernel, table.isa, error)
 
 
+@pytest.mark.parametrize("tiles", [False, True], ids=["stored", "tiled"])
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0], ids=lambda t: t.name)
-def test_grouped_kernel_gives_each_weights_product(qtype):
-    """quant_gemm_grouped (a mixture's experts in one call), in every build this machine
-    runs: each run of rows, an empty one too, gets bit for bit what its own weight gives,
-    and the same where x is a view of wider rows (a mixture's gathered tokens may be)."""
+def test_grouped_kernel_gives_each_weights_product(qtype, tiles):
+    """The grouped kernels (a mixture's experts in one call: quant_gemm_grouped on the blocks
+    as stored, quant_gemm_tiled_grouped on 16-row tiles), in every build this machine runs:
+    each run of rows, an empty one too, gets bit for bit what its own weight gives, and the
+    same where x is a view of wider rows (a mixture's gathered tokens may be)."""
     rng = np.random.default_rng(6)
-    n, k, offsets = 64, 576, [0, 3, 3, 12, 13]
+    n, k, offsets = 64, 576, [0, 3, 3, 12, 13, 14]
     weights = [RawBlocks(qtype, random_blocks(qtype, n, k, rng), (n, k)).to_weight()
                for _ in range(len(offsets) - 1)]
+    if tiles:
+        weights = [TiledWeight.of(weight) for weight in weights]
     biases = [torch.randn(n).bfloat16() for _ in weights]
     x = torch.randn(offsets[-1], k).bfloat16()
-    tables = {id(table): table for table, kernel in quantized_kernel_runs() if kernel == "int8"}
-    kernels_or_skip(tables, {"avx2"}, "the quantized kernels")
-    for table in tables.values():
+    if tiles:
+        ops, kernel = quantized_kernels()[0], "tiled_int8"
+        runs = [(ops, kernel)] if ops is not None and ops.quant_gemm_tiled_grouped else []
+    else:
+        kernel = "int8"
+        runs = [(table, kernel) for table, name in quantized_kernel_runs() if name == kernel]
+    kernels_or_skip(runs, {"avx512_bf16"} if tiles else {"avx2"}, f"the {kernel} kernels")
+    for table, kernel in runs:
         grouped = torch.empty(offsets[-1], n, dtype=torch.bfloat16)
         QuantizedWeight.matmul_grouped(grouped, x, weights, biases, offsets, table)
         for i, weight in enumerate(weights):
             rows = slice(offsets[i], offsets[i + 1])
             alone = torch.empty(offsets[i + 1] - offsets[i], n, dtype=torch.bfloat16)
-            weight.matmul_into(alone, x[rows], biases[i], table, kernel="int8")
-            assert torch.equal(grouped[rows], alone), (table.isa, i)
+            weight.matmul_into(alone, x[rows], biases[i], table, kernel=kernel)
+            assert torch.equal(grouped[rows], alone), (table.isa, kernel, i)
         wide = torch.empty(offsets[-1], k + 32, dtype=torch.bfloat16)[:, :k]
         wide.copy_(x)
         from_wide = torch.empty(offsets[-1], n, dtype=torch.bfloat16)
         QuantizedWeight.matmul_grouped(from_wide, wide, weights, biases, offsets, table)
-        assert torch.equal(from_wide, grouped), table.isa
+        assert torch.equal(from_wide, grouped), (table.isa, kernel)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 21, 300])

@@ -60,6 +60,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemm_tiled_int8", &cpullm::quant_gemm_tiled_int8,
         "x @ w.T with w kept quantized in 16-row tiles, on int8 dot products of x quantized "
         "per block", nogil);
+  m.def("quant_gemm_tiled_grouped", &cpullm::quant_gemm_tiled_grouped,
+        "quant_gemm_tiled_int8 for several tiled weights of one layout, each on its own run "
+        "of rows, in one call", nogil);
   m.def("quant_gemm_tiled_bf16", &cpullm::quant_gemm_tiled_bf16,
         "x @ w.T with w kept quantized in 16-row tiles, dequantized into the bf16 GEMM's panels",
         nogil);

@@ -89,6 +89,10 @@ void quant_gemm_tiled_int8(at::Tensor out, at::Tensor x, at::Tensor data, at::Te
 void quant_gemm_tiled_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                            c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
                            int64_t zero, c10::optional<at::Tensor> bias, bool silu_mul);
+void quant_gemm_tiled_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> data,
+                              std::vector<at::Tensor> scales, std::vector<at::Tensor> mins,
+                              std::vector<at::Tensor> biases, std::vector<int64_t> offsets,
+                              int64_t bits, int64_t block, int64_t zero);
 void quant_gemm_tiled_amx(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                           c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
                           int64_t zero, c10::optional<at::Tensor> bias, bool silu_mul);

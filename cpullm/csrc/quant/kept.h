@@ -35,7 +35,7 @@
 // dequantized rows are the A operand of the tiles instead (quant_gemm_bf16_amx, panels.cpp).
 // Wherever these kernels run, a model's weights are laid out again in 16-row tiles after
 // loading, with kernels of their own (quant_gemm_tiled_*, tiled.cpp); the layout above stays
-// for a mixture's experts (quant_gemm_grouped) and for shapes the tiles do not take.
+// for shapes the tiles do not take.
 // Where the CPU has no AVX-512 VNNI, the AVX2 library runs the same int8 dot products on
 // 256-bit halves of the steps, for every number of rows (dots_avx2.h).
 //

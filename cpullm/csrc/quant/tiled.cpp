@@ -227,6 +227,55 @@ struct TiledDots {
        {one<true>(2, 0), one<true>(2, 1)}, {one<true>(3, 0), one<true>(3, 1)}}};
 };
 
+// Where quant_gemm_tiled_int8's sums go: bfloat16 rows, or float32 logits (a token's two
+// levels of x, rows 2t and 2t + 1 of its quantized x, added).
+struct TiledOut {
+  float* logits;
+  c10::BFloat16* rows;
+  int64_t ldo;
+};
+
+inline TiledOut tiled_out(const at::Tensor& out) {
+  const bool logits = out.scalar_type() == at::kFloat;
+  return TiledOut{logits ? out.data_ptr<float>() : nullptr,
+                  logits ? nullptr : out.data_ptr<c10::BFloat16>(), out.stride(0)};
+}
+
+// The sums of tiled_dots (acc [tokens][gs][16]: rows t0.. of the quantized x by groups g0,
+// g0 + apart, ...) into out's rows, the bias (bp, or null) added. silu_set >= 0: the two
+// groups are 16 rows of gate and their 16 of up, stored as silu(gate) * up in columns
+// 16 silu_set ...
+inline void store_sums(const __m512* acc, int tokens, int gs, int64_t t0, int64_t g0,
+                       int64_t apart, int64_t silu_set, const c10::BFloat16* bp,
+                       const TiledOut& out) {
+  auto biased = [&](__m512 sum, int64_t r) {
+    return bp ? _mm512_add_ps(sum, bf16x16_load(bp + r)) : sum;
+  };
+  if (out.logits != nullptr) {
+    for (int t = 0; t < tokens; t += 2) {
+      float* row = out.logits + (t0 + t) / 2 * out.ldo;
+      for (int g = 0; g < gs; ++g) {
+        const int64_t r = 16 * (g0 + g * apart);
+        _mm512_storeu_ps(row + r, biased(_mm512_add_ps(acc[t * gs + g], acc[(t + 1) * gs + g]), r));
+      }
+    }
+    return;
+  }
+  for (int t = 0; t < tokens; ++t) {
+    const __m512* sums = acc + t * gs;
+    c10::BFloat16* row = out.rows + (t0 + t) * out.ldo;
+    if (silu_set >= 0) {
+      bf16x16_store(row + 16 * silu_set,
+                    silu_mul16(biased(sums[0], 16 * g0), biased(sums[1], 16 * (g0 + apart))));
+      continue;
+    }
+    for (int g = 0; g < gs; ++g) {
+      const int64_t r = 16 * (g0 + g * apart);
+      bf16x16_store(row + r, biased(sums[g], r));
+    }
+  }
+}
+
 TiledWeight check_tiled(const at::Tensor& out, const at::Tensor& x, const at::Tensor& data,
                         const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                         int64_t bits, int64_t block, int64_t zero,
@@ -280,8 +329,7 @@ void quant_gemm_tiled_int8(at::Tensor out, at::Tensor x, at::Tensor data, at::Te
   const BlockQuantizedX xq = quantize_blocks(x, block, logits);
   const int64_t rows = logits ? 2 * m : m;
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
-  float* const fo = logits ? out.data_ptr<float>() : nullptr;
-  c10::BFloat16* const op = logits ? nullptr : out.data_ptr<c10::BFloat16>();
+  const TiledOut to = tiled_out(out);
   // an item: 4 rows of xq by a set of two groups, g0 and g0 + apart (with silu_mul, 16 rows
   // of gate and their 16 of up); for one token, of one group (one stream of W an item, which
   // keeps up with memory better than two)
@@ -290,7 +338,6 @@ void quant_gemm_tiled_int8(at::Tensor out, at::Tensor x, at::Tensor data, at::Te
   const int64_t apart = silu_mul ? groups / 2 : 1;
   const int64_t quads = (rows + kTiledTokens - 1) / kTiledTokens;
   const int64_t block_quads = std::min<int64_t>(quads, kTiledBlockRows / kTiledTokens);
-  const int64_t ldo = out.stride(0);
   at::parallel_for(0, sets * quads, 1, [&](int64_t begin, int64_t end) {
     __m512 acc[kTiledTokens * 2];
     for (int64_t item = begin; item < end; ++item) {
@@ -305,32 +352,69 @@ void quant_gemm_tiled_int8(at::Tensor out, at::Tensor x, at::Tensor data, at::Te
       const int gs = silu_mul ? 2 : static_cast<int>(std::min<int64_t>(per, groups - g0));
       // up to 4 tokens, W read once as it streams from memory: prefetched
       dots[quads == 1][tokens - 1][gs - 1](w, g0, apart, xq, t0, acc);
-      if (logits) {
-        for (int t = 0; t < tokens; t += 2) {
-          float* row = fo + (t0 + t) / 2 * ldo;
-          for (int g = 0; g < gs; ++g) {
-            const int64_t r = 16 * (g0 + g);
-            const __m512 sum = _mm512_add_ps(acc[t * gs + g], acc[(t + 1) * gs + g]);
-            _mm512_storeu_ps(row + r, bp ? _mm512_add_ps(sum, bf16x16_load(bp + r)) : sum);
-          }
-        }
-        continue;
-      }
-      for (int t = 0; t < tokens; ++t) {
-        const __m512* sums = acc + t * gs;
-        c10::BFloat16* row = op + (t0 + t) * ldo;
-        if (silu_mul) {
-          const __m512 gate = bp ? _mm512_add_ps(sums[0], bf16x16_load(bp + 16 * g0)) : sums[0];
-          const __m512 up = bp ? _mm512_add_ps(sums[1], bf16x16_load(bp + 16 * (g0 + apart)))
-                               : sums[1];
-          bf16x16_store(row + 16 * set, silu_mul16(gate, up));
-          continue;
-        }
-        for (int g = 0; g < gs; ++g) {
-          const int64_t r = 16 * (g0 + g);
-          bf16x16_store(row + r, bp ? _mm512_add_ps(sums[g], bf16x16_load(bp + r)) : sums[g]);
-        }
-      }
+      store_sums(acc, tokens, gs, t0, g0, apart, silu_mul ? set : -1, bp, to);
+    }
+  });
+}
+
+// Several weights of one shape and layout, weight i over rows [offsets[i], offsets[i + 1]) of x
+// (a mixture's chosen experts): x quantized once, and every (weight, set of groups, 4 rows)
+// one item of a single parallel loop, each as quant_gemm_tiled_int8 runs it.
+void quant_gemm_tiled_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> data,
+                              std::vector<at::Tensor> scales, std::vector<at::Tensor> mins,
+                              std::vector<at::Tensor> biases, std::vector<int64_t> offsets,
+                              int64_t bits, int64_t block, int64_t zero) {
+  const int64_t weights = static_cast<int64_t>(data.size());
+  TORCH_CHECK(weights > 0 && static_cast<int64_t>(scales.size()) == weights &&
+              (mins.empty() || static_cast<int64_t>(mins.size()) == weights) &&
+              (biases.empty() || static_cast<int64_t>(biases.size()) == weights) &&
+              static_cast<int64_t>(offsets.size()) == weights + 1 && offsets[0] == 0 &&
+              offsets[weights] == x.size(0),
+              "quant_gemm_tiled_grouped: a scale (and min, bias) per weight and offsets "
+              "[0, ..., rows]");
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16,
+              "quant_gemm_tiled_grouped: bfloat16 out expected");
+  std::vector<TiledWeight> tiled;
+  for (int64_t i = 0; i < weights; ++i) {
+    TORCH_CHECK(offsets[i] <= offsets[i + 1] && data[i].sizes() == data[0].sizes() &&
+                scales[i].scalar_type() == scales[0].scalar_type(),
+                "quant_gemm_tiled_grouped: weights of one shape and layout expected");
+    tiled.push_back(check_tiled(
+        out, x, data[i], scales[i],
+        mins.empty() ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(mins[i]), bits,
+        block, zero, biases.empty() ? c10::optional<at::Tensor>() : biases[i], false));
+  }
+  if (x.size(0) == 0) return;
+  const auto dots = pick_kept<TiledDots>(bits, block, scales[0].scalar_type() == at::kHalf,
+                                         !mins.empty());
+  const BlockQuantizedX xq = quantize_blocks(x, block, false);
+  const TiledOut to = tiled_out(out);
+  // (weight, first row, rows, first group, groups, prefetch): a weight's sets of two groups
+  // (one for a weight of one row, as quant_gemm_tiled_int8 takes one token) each over its
+  // rows 4 at a time
+  struct Item {
+    int64_t weight, t0, g0;
+    int tokens, gs;
+    bool prefetch;
+  };
+  std::vector<Item> items;
+  const int64_t groups = data[0].size(0);
+  for (int64_t i = 0; i < weights; ++i) {
+    const int64_t rows = offsets[i + 1] - offsets[i], per = rows == 1 ? 1 : 2;
+    for (int64_t g0 = 0; rows > 0 && g0 < groups; g0 += per)
+      for (int64_t t = 0; t < rows; t += kTiledTokens)
+        items.push_back(Item{i, offsets[i] + t, g0,
+                             static_cast<int>(std::min<int64_t>(kTiledTokens, rows - t)),
+                             static_cast<int>(std::min(per, groups - g0)), rows <= kTiledTokens});
+  }
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    __m512 acc[kTiledTokens * 2];
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& item = items[i];
+      dots[item.prefetch][item.tokens - 1][item.gs - 1](tiled[item.weight], item.g0, 1, xq,
+                                                        item.t0, acc);
+      store_sums(acc, item.tokens, item.gs, item.t0, item.g0, 1, -1,
+                 biases.empty() ? nullptr : biases[item.weight].data_ptr<c10::BFloat16>(), to);
     }
   });
 }

@@ -54,9 +54,6 @@ class SparseMoE(nn.Module):
         expert = expert or (lambda: GatedMLP(hidden_size, expert_size, False, dtype, ops,
                                              quant_config, reduce=False))
         self.experts = nn.ModuleList(expert() for _ in range(num_experts))
-        for module in self.experts.modules():
-            if isinstance(module, LinearBase):  # their kept blocks as quant_gemm_grouped reads them
-                module.grouped_expert = True
         self.shared_expert: GatedMLP | None = None
         if shared_size:
             self.shared_expert = GatedMLP(hidden_size, shared_size, False, dtype, ops,
@@ -154,7 +151,7 @@ class KeptExperts:
 
     @classmethod
     def of(cls, experts: nn.ModuleList, ops: KernelTable | None) -> KeptExperts | None:
-        if ops is None or ops.quant_gemm_grouped is None:
+        if ops is None:
             return None
         projections = []
         for name in ("gate_up_proj", "down_proj"):
@@ -165,9 +162,10 @@ class KeptExperts:
                 return None  # (dense layers have no segments)
             weights = [layer.segments[0].quantized for layer in layers]
             first = weights[0]
-            if any(not w.runs_grouped or w.fmt != first.fmt or w.data.shape != first.data.shape
-                   or w.scales.dtype != first.scales.dtype
-                   or not w.kernels_run(ops, layers[0].compute_dtype) for w in weights):
+            if first.grouped_kernel(ops) is None or any(
+                    type(w) is not type(first) or w.fmt != first.fmt
+                    or w.data.shape != first.data.shape or w.scales.dtype != first.scales.dtype
+                    or not w.kernels_run(ops, layers[0].compute_dtype) for w in weights):
                 return None
             biases = [layer.bias for layer in layers]
             if any((b is None) != (biases[0] is None) for b in biases):

@@ -70,6 +70,7 @@ class KernelTable:
     quant_gemm_int8_amx: Kernel | None
     quant_gemm_tiled_int8: Kernel | None
     quant_gemm_tiled_bf16: Kernel | None
+    quant_gemm_tiled_grouped: Kernel | None
     quant_gemm_tiled_amx: Kernel | None
     fp8_gemm_bf16: Kernel | None  # AVX-512 BF16
     fp8_gemm_bf16_amx: Kernel | None

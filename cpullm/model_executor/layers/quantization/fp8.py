@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cpullm.model_executor.layers.ops import KernelTable
+from cpullm.model_executor.layers.ops import Kernel, KernelTable
 from cpullm.model_executor.layers.quantization.kept import QuantizedWeight
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -154,9 +154,11 @@ class Float8Weight(QuantizedWeight):
     Stacking such weights (``cat``) stacks whole panels."""
 
     fmt: Float8Format  # type: ignore[assignment]
-    runs_grouped = False  # (quant_gemm_grouped takes integer blocks)
     silu_mul_kernels = ()  # its kernels store the product; SiLU-mul runs after
     float32_kernels = ("torch",)
+
+    def grouped_kernel(self, ops: KernelTable) -> Kernel | None:
+        return None  # (the grouped kernels take integer blocks)
 
     def dequantize(self, dtype: torch.dtype, index: torch.Tensor | slice | None = None
                    ) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpullm.model_executor.layers.ops import KernelTable
+from cpullm.model_executor.layers.ops import Kernel, KernelTable
 from cpullm.model_executor.layers.packed_gemm import PackedGemm
 from cpullm.model_executor.layers.platform_gemm import create_gemm
 from cpullm.model_executor.layers.quantization.base import LinearMethod
@@ -56,7 +56,6 @@ class QuantizedWeight(nn.Module):
     per row (per-channel INT8), ``row_scales`` holds that scale (float32 [n]), and where the
     CPU has AMX-INT8 the weight is laid out for it after loading (``for_kernels``)."""
 
-    runs_grouped = True  # several such weights of one layout in one quant_gemm_grouped call
     # The kernels (kernel_for's names) that can store silu(gate) * up of a gate-up weight
     # (gate and up stacked) as they store the product.
     silu_mul_kernels: tuple[str, ...] = ("panels", "amx")
@@ -125,17 +124,15 @@ class QuantizedWeight(nn.Module):
         assert mins is not None
         return s * u.float() + mins.float()[..., None]
 
-    def for_kernels(self, ops: KernelTable | None, tiles: bool = True) -> QuantizedWeight:
+    def for_kernels(self, ops: KernelTable | None) -> QuantizedWeight:
         """The weight in the layout the fastest kernel here takes: where the CPU has AMX,
         per-channel INT8 as AMX-INT8 tiles; wherever the AVX-512 VNNI and BF16 kernels run,
-        the other blocks (unless not ``tiles``: a mixture's experts, which
-        quant_gemm_grouped runs as stored) in 16-row tiles (``TiledWeight``); elsewhere as
-        it is."""
+        the other blocks in 16-row tiles (``TiledWeight``); elsewhere as it is."""
         if ops is None:
             return self
         if self.row_scales is not None and ops.quant_gemm_int8_amx is not None:
             return AmxInt8Weight.of(self)
-        if tiles and TiledWeight.runs(self, ops):
+        if TiledWeight.runs(self, ops):
             return TiledWeight.of(self)
         return self
 
@@ -199,18 +196,24 @@ class QuantizedWeight(nn.Module):
             b = None if bias is None else bias[start:end].to(dtype)
             out[:, start:end] = F.linear(x, w, b)
 
+    def grouped_kernel(self, ops: KernelTable) -> Kernel | None:
+        """The kernel that runs several weights of this class, layout and shape in one call
+        (``matmul_grouped``), or None where none does."""
+        return ops.quant_gemm_grouped
+
     @staticmethod
     def matmul_grouped(out: torch.Tensor, x: torch.Tensor, weights: list[QuantizedWeight],
                        biases: list[torch.Tensor] | None, offsets: list[int],
                        ops: KernelTable) -> None:
         """out[offsets[i]:offsets[i + 1]] = x[offsets[i]:offsets[i + 1]] @ weights[i].T (+
-        biases[i]), every weight of one layout and shape, in one kernel call (the int8 dot
-        products: each run of rows at most VNNI_MAX_ROWS)."""
-        fmt = weights[0].fmt
-        assert ops.quant_gemm_grouped is not None
-        ops.quant_gemm_grouped(out, x, [w.data for w in weights], [w.scales for w in weights],
-                               [w.mins for w in weights] if fmt.zero is None else [],
-                               biases or [], offsets, fmt.bits, fmt.block, fmt.zero or 0)
+        biases[i]), every weight of one class, layout and shape, in one call of their
+        ``grouped_kernel`` (the int8 dot products: each run of rows at most
+        VNNI_MAX_ROWS)."""
+        fmt, run = weights[0].fmt, weights[0].grouped_kernel(ops)
+        assert run is not None
+        run(out, x, [w.data for w in weights], [w.scales for w in weights],
+            [w.mins for w in weights] if fmt.zero is None else [], biases or [], offsets,
+            fmt.bits, fmt.block, fmt.zero or 0)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, ops: KernelTable | None
                ) -> torch.Tensor:
@@ -261,7 +264,8 @@ class AmxInt8Weight(QuantizedWeight):
     W (u = q + 128, as stored), which the kernel reads as they lie, x quantized per token
     (csrc/quant/int8_amx.cpp). Every number of rows runs on them."""
 
-    runs_grouped = False
+    def grouped_kernel(self, ops: KernelTable) -> Kernel | None:
+        return None
     silu_mul_kernels = ("amx_int8",)
     float32_kernels = ("torch",)
 
@@ -321,7 +325,6 @@ class TiledWeight(QuantizedWeight):
     steps as they lie (csrc/quant/tiled.cpp: quant_gemm_tiled_*). Made wherever those
     kernels run (AVX-512 VNNI and BF16)."""
 
-    runs_grouped = False
     silu_mul_kernels = ("tiled_int8", "tiled_bf16", "tiled_amx")
     float32_kernels = ("tiled_int8", "tiled_bf16", "tiled_amx", "torch")
 
@@ -389,6 +392,9 @@ class TiledWeight(QuantizedWeight):
             return "tiled_bf16"
         return "tiled_int8"
 
+    def grouped_kernel(self, ops: KernelTable) -> Kernel | None:
+        return ops.quant_gemm_tiled_grouped
+
     def matmul_into(self, out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
                     ops: KernelTable | None, kernel: str | None = None,
                     silu_mul: bool = False) -> None:
@@ -397,10 +403,12 @@ class TiledWeight(QuantizedWeight):
         if kernel == "torch":
             super().matmul_into(out, x, bias, ops, kernel)
             return
-        assert ops is not None and kernel in self.silu_mul_kernels, kernel
+        assert ops is not None
+        run = {"tiled_int8": ops.quant_gemm_tiled_int8, "tiled_bf16": ops.quant_gemm_tiled_bf16,
+               "tiled_amx": ops.quant_gemm_tiled_amx}[kernel]
+        assert run is not None, kernel
         if x.stride(-1) != 1:
             x = x.contiguous()
-        run = getattr(ops, "quant_gemm_" + kernel)
         run(out, x, self.data, self.scales, self.mins, self.fmt.bits, self.fmt.block,
             self.fmt.zero or 0, bias, silu_mul)
 
@@ -510,8 +518,7 @@ class KeptLinearMethod(LinearMethod):
                 if segment.gemm is not None:
                     segment.dense = None  # the packed copy replaces it
             elif segment.quantized is not None:
-                segment.quantized = segment.quantized.for_kernels(
-                    ops, tiles=not getattr(layer, "grouped_expert", False))
+                segment.quantized = segment.quantized.for_kernels(ops)
                 layer.add_module(f"quantized_{i}", segment.quantized)
         layer.segments = segments
         layer.ops = ops
