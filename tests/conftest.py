@@ -162,19 +162,13 @@ def assert_pool_free(llm: Any) -> None:
 
 
 def quantized_kernels() -> tuple[Any, list[str]]:
-    """The kernel table, and the quantized kernels this machine's build has ("int8" on
-    AVX-512 VNNI, "panels" with BF16 too, "amx" where the CPU has AMX tiles)."""
+    """The kernel table, and the quantized kernels on the blocks as stored that this
+    machine's build has ("int8": AVX-512 VNNI or AVX2; ``tiled_kernels`` lists those on
+    16-row tiles)."""
     from cpullm.model_executor.layers.ops import load_ops
 
     ops = load_ops()
-    found = []
-    if ops is not None and ops.quant_gemm is not None:
-        found.append("int8")
-    if ops is not None and ops.quant_gemm_bf16 is not None:
-        found.append("panels")
-    if ops is not None and ops.quant_gemm_bf16_amx is not None:
-        found.append("amx")
-    return ops, found
+    return ops, ["int8"] if ops is not None and ops.quant_gemm is not None else []
 
 
 def avx2_kernels() -> Any:

@@ -161,31 +161,6 @@ def test_grouped_kernel_gives_each_weights_product(qtype, tiles):
         assert torch.equal(from_wide, grouped), (table.isa, kernel)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 21, 300])
-@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q4_K], ids=lambda t: t.name)
-def test_kernels_store_silu_mul_of_a_gate_up_weight(qtype, rows):
-    """A gate-up weight (gate and up stacked): the kernels that store silu(gate) * up as
-    they store the product (16 gate and 16 up rows a panel, the bias with them) give bit
-    for bit the product followed by the SiLU-mul kernel."""
-    from cpullm.model_executor.layers.activation import SiluAndMul
-
-    ops, kernels = quantized_kernels()
-    fusing = [kernel for kernel in kernels if kernel in QuantizedWeight.silu_mul_kernels]
-    kernels_or_skip(fusing, {"avx512_vnni", "avx512_bf16"}, "the kernels that store SiLU-mul")
-    n, k = 96, width(qtype)
-    weight = RawBlocks(qtype, random_blocks(qtype, n, k, np.random.default_rng(5)),
-                       (n, k)).to_weight()
-    gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, k, generator=gen).bfloat16()
-    for bias in (torch.randn(n, generator=gen).bfloat16(), None):
-        for kernel in fusing:
-            product = torch.empty(rows, n, dtype=torch.bfloat16)
-            weight.matmul_into(product, x, bias, ops, kernel=kernel)
-            fused = torch.empty(rows, n // 2, dtype=torch.bfloat16)
-            weight.matmul_into(fused, x, bias, ops, kernel=kernel, silu_mul=True)
-            assert torch.equal(fused, SiluAndMul(ops)(product)), (kernel, bias is None)
-
-
 def test_kernel_writes_into_a_column_slice():
     """A merged layer's segments write their columns of one output."""
     ops, kernels = quantized_kernels()
@@ -218,20 +193,22 @@ def tiled_kernels() -> tuple[object, list[str]]:
     return ops, found
 
 
+@pytest.mark.parametrize("n", [96, 40])
 @pytest.mark.parametrize("rows", [1, 2, 5, 17, 600])
 @pytest.mark.parametrize("qtype", KEPT_TYPES, ids=lambda t: t.name)
-def test_tiled_kernels_match_dequantized_reference(qtype, rows):
-    """A weight laid out in 16-row tiles dequantizes to what it was, whole and row by row,
-    and each tile kernel this machine runs, forced, matches x @ W.T in float32 (the
-    dequantizing torch path on any machine)."""
+def test_tiled_kernels_match_dequantized_reference(qtype, rows, n):
+    """A weight laid out in 16-row tiles (n = 40: padded with zero rows to 64) dequantizes
+    to what it was, whole and row by row, and each tile kernel this machine runs, forced,
+    matches x @ W.T in float32 (the dequantizing torch path on any machine)."""
     ops, kernels = tiled_kernels()
     rng = np.random.default_rng(2)
-    n, k = 96, width(qtype)
+    k = width(qtype)
     weight = RawBlocks(qtype, random_blocks(qtype, n, k, rng), (n, k)).to_weight()
     tiled = TiledWeight.of(weight)
+    assert tiled.n == n and tiled.data.shape[0] * 16 == n + tiled.pad and tiled.pad < 32
     reference_w = weight.dequantize(torch.float32)
     assert torch.equal(tiled.dequantize(torch.float32), reference_w)
-    ids = torch.tensor([[5, 17], [95, 5]])
+    ids = torch.tensor([[5, 17], [n - 1, 5]])
     assert torch.equal(tiled.dequantize(torch.float32, ids), reference_w[ids])
     assert torch.equal(tiled.dequantize(torch.float32, slice(30, 70)), reference_w[30:70])
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)).bfloat16()
@@ -266,8 +243,7 @@ def test_kernels_store_float32_logits(qtype, rows):
     """Into a float32 out (an LM head's logits) the int8 dot products of every library
     this CPU runs, on both layouts, quantize x in two levels: ~300x closer to x @ W.T than
     x's int8 blocks alone (measured 1.9e-5 against 5.4e-3, relative); the GEMMs on bf16
-    panels store the very sums whose bfloat16 rounding they store otherwise; the kernels
-    without a float32 store are refused one, and ``logits`` widens their product."""
+    panels store the very sums whose bfloat16 rounding they store otherwise."""
     ops, _ = quantized_kernels()
     _, tile_kernels = tiled_kernels()
     libraries = int8_libraries()
@@ -280,30 +256,22 @@ def test_kernels_store_float32_logits(qtype, rows):
     bias = torch.randn(n).bfloat16()
     expected = x.double() @ reference_w.T + bias.double()
     runs = [(weight, table, "int8") for table in libraries]
-    runs += [(weight, ops, kernel) for _, kernel in quantized_kernel_runs()
-             if kernel != "int8"]
     if tile_kernels:
         runs += [(TiledWeight.of(weight), ops, kernel) for kernel in tile_kernels]
     for w, table, kernel in [*runs, (weight, ops, "torch")]:
+        assert kernel in w.float32_kernels, kernel
         products = {}
         for dtype in (torch.bfloat16, torch.float32):
             out = torch.empty(rows, n, dtype=dtype)
-            if dtype == torch.float32 and kernel not in w.float32_kernels:
-                with pytest.raises(RuntimeError, match="bfloat16 out expected"):
-                    w.matmul_into(out, x, bias, table, kernel=kernel)
-                break
             w.matmul_into(out, x, bias, table, kernel=kernel)
             products[dtype] = out
+        logits = products[torch.float32].double()
+        error = ((logits - expected).norm() / expected.norm()).item()
+        if kernel in ("int8", "tiled_int8", "torch"):
+            assert error < 1e-4, (table.isa, kernel, error)
         else:
-            logits = products[torch.float32].double()
-            error = ((logits - expected).norm() / expected.norm()).item()
-            if kernel in ("int8", "tiled_int8", "torch"):
-                assert error < 1e-4, (table.isa, kernel, error)
-            else:
-                assert torch.equal(products[torch.float32].bfloat16(),
-                                   products[torch.bfloat16]), (table.isa, kernel)
-            continue
-        assert kernel == "amx"  # (the only kernel here without a float32 store)
+            assert torch.equal(products[torch.float32].bfloat16(),
+                               products[torch.bfloat16]), (table.isa, kernel)
     widened = weight.logits(x, ops)
     assert widened.dtype == torch.float32
     assert (widened - (x.float() @ reference_w.float().T)).norm() < 5e-3 * widened.norm()
@@ -511,7 +479,7 @@ def test_mixed_types_on_the_avx2_kernels(mixed_gguf, monkeypatch):
     ops_py.load_ops.cache_clear()
     try:
         ops = ops_py.load_ops()
-        assert ops is not None and ops.isa == "avx2" and ops.quant_gemm_bf16 is None
+        assert ops is not None and ops.isa == "avx2" and ops.quant_gemm_tiled_int8 is None
         model, quantized = greedy_outputs(mixed_gguf, "bfloat16")
     finally:
         monkeypatch.delenv("CPULLM_KERNEL_ISA")

@@ -50,10 +50,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "of rows, in one call", nogil);
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-  m.def("quant_gemm_bf16", &cpullm::quant_gemm_bf16,
-        "x @ w.T with w kept quantized, dequantized 32 rows at a time into the bf16 GEMM", nogil);
-  m.def("quant_gemm_bf16_amx", &cpullm::quant_gemm_bf16_amx,
-        "quant_gemm_bf16 on AMX tiles (K a multiple of 32); only where amx_bf16_ready()", nogil);
   m.def("quant_gemm_int8_amx", &cpullm::quant_gemm_int8_amx,
         "x @ w.T for per-channel INT8 weights laid out as AMX-INT8 tiles, x quantized per "
         "token; only where amx_bf16_ready()", nogil);

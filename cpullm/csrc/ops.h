@@ -56,8 +56,8 @@ void decode_attention_amx(at::Tensor out, at::Tensor q, at::Tensor key_cache,
 // quant/: x @ W.T with W kept quantized (u, scales, mins or a zero point); on
 // AVX-512 VNNI, or on AVX2's int8 multiply-adds. out is bfloat16, or float32 for an LM
 // head's logits, where the int8 dot products (quant_gemm, quant_gemm_tiled_int8) quantize x
-// in two levels and every kernel but quant_gemm_grouped, quant_gemm_bf16_amx and
-// quant_gemm_int8_amx stores its float32 sums unrounded; so do gemm_bf16 and gemm_bf16_amx.
+// in two levels and every kernel but the grouped ones and quant_gemm_int8_amx stores its
+// float32 sums unrounded; so do gemm_bf16 and gemm_bf16_amx.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 void quant_gemm(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                 c10::optional<at::Tensor> mins, int64_t bits, int64_t block, int64_t zero,
@@ -69,13 +69,6 @@ void quant_gemm_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> da
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 // silu_mul (here and below): W is gate and up stacked, and out [m, n / 2] gets silu(gate) * up
-void quant_gemm_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
-                     c10::optional<at::Tensor> mins, int64_t bits, int64_t block, int64_t zero,
-                     c10::optional<at::Tensor> bias, bool silu_mul);
-// the same with the panels on AMX tiles (K a multiple of 32; where amx_bf16_ready())
-void quant_gemm_bf16_amx(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
-                         c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
-                         int64_t zero, c10::optional<at::Tensor> bias, bool silu_mul);
 // per-channel INT8 laid out as AMX-INT8 tiles [n / 16, k / 64, 16, 64] (u = q + 128) with
 // a float32 scale per row, by x quantized per token, on the tiles (where amx_bf16_ready())
 void quant_gemm_int8_amx(at::Tensor out, at::Tensor x, at::Tensor tiles, at::Tensor row_scales,

@@ -25,24 +25,17 @@
 // its step in byte i; a one-step group of fewer lanes (one block of 32) one u per byte.
 // x is laid out in the same steps, per token.
 //
-// For many rows of x (prompts, big batches) the same blocks feed the bfloat16 GEMM instead
-// (quant_gemm_bf16): each thread dequantizes 32 rows of W at a time into a panel of the dense
-// GEMM's layout and runs its tiles on it. A VNNI instruction does 64 multiply-adds and a
-// BF16 dot product 32, but on Zen 5 the first issues once per cycle and the second twice,
-// so once a step is compute-bound the int8 path, with its unpacking and per-group scaling
-// on top, loses; dequantizing a panel costs about 8 rows of the bf16 GEMM, and from ~20
-// rows on the panels are faster (docs/quantization.md). Where the CPU has AMX, the blocks'
-// dequantized rows are the A operand of the tiles instead (quant_gemm_bf16_amx, panels.cpp).
-// Wherever these kernels run, a model's weights are laid out again in 16-row tiles after
-// loading, with kernels of their own (quant_gemm_tiled_*, tiled.cpp); the layout above stays
-// for shapes the tiles do not take.
-// Where the CPU has no AVX-512 VNNI, the AVX2 library runs the same int8 dot products on
-// 256-bit halves of the steps, for every number of rows (dots_avx2.h).
+// Wherever the AVX-512 VNNI and BF16 kernels run, a model's weights are laid out again in
+// 16-row tiles after loading, with kernels of their own (quant_gemm_tiled_*, tiled.cpp: the
+// int8 dot products for a few rows of x, the bf16 GEMMs on dequantized panels, on AMX tiles
+// where the CPU has them, for many); the layout above stays for K not a multiple of 32 and
+// for CPUs without AVX-512 BF16. Where the CPU has no AVX-512 VNNI, the AVX2 library runs
+// the same int8 dot products on 256-bit halves of the steps (dots_avx2.h).
 //
 // Files: kept.h (the layout's shared parts: groups, x's int8 blocks, the arguments'
 // checks), layout.cpp (the rows' layouts), dots.cpp with dots_avx512.h / dots_avx2.h (the
-// int8 dot products), panels.cpp (dequantized panels for the bf16 GEMMs, AVX-512 and AMX),
-// int8_amx.cpp (per-channel int8 on AMX-INT8 tiles), tiled.cpp (the 16-row tiles).
+// int8 dot products), int8_amx.cpp (per-channel int8 on AMX-INT8 tiles), tiled.cpp (the
+// 16-row tiles).
 #pragma once
 
 #include "../amx.h"
@@ -72,24 +65,20 @@ struct Group {
   int64_t x_offset;       // bytes into a token's quantized x
 };
 
-// A row's layout for a shape: its groups; for the AMX kernel, the pair of x that each dword
-// of a row's chunks meets (-1: none) and the dword that meets each pair. It depends on the
-// shape alone: made at a shape's first call, and kept.
+// A row's layout for a shape: its groups. It depends on the shape alone: made at a shape's
+// first call, and kept.
 struct RowLayout {
   std::vector<Group> groups;
-  std::vector<int32_t> pairs, slot_of;
 };
 
 // A shape's layout (made at its first call, and kept).
 const RowLayout& layout_of(int64_t blocks, int block, int bits);
 
-// The arguments' checks, shared by the kernels; the layout of a row of W. silu_mul: out
-// holds silu(gate) * up of W's two halves, n / 2 columns.
+// The arguments' checks, shared by the kernels; the layout of a row of W.
 const RowLayout& check_quant_gemm(const at::Tensor& out, const at::Tensor& x,
                                   const at::Tensor& data, const at::Tensor& scales,
                                   const c10::optional<at::Tensor>& mins, int64_t bits,
-                                  int64_t block, const c10::optional<at::Tensor>& bias,
-                                  bool silu_mul = false);
+                                  int64_t block, const c10::optional<at::Tensor>& bias);
 
 // x[0, len) (len a multiple of 16; bfloat16, or float32: a remainder_row) as int8 q, to
 // nearest, with d = max |x| / 127; returns d, and sum(q) in total.

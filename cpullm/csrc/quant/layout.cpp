@@ -31,27 +31,6 @@ std::vector<Group> groups_of(int64_t blocks, int block, int bits) {
   return groups;
 }
 
-// A row's k order on AMX (quant_gemm_bf16_amx, panels.cpp): chunks of 16 pairs (a tile row's
-// 32 k), two per step of each group. Chunk 2 j + h of group g holds, in dword l (l = L blk +
-// i, L lanes per block), the pair (e, e + 1) of block g.first_block + blk, e = 4 (j L + i) +
-// 2 h.
-//
-// The pair of x (k / 2) that each dword of a row's chunks meets; -1: past a group's lanes.
-std::vector<int32_t> pairs_of_chunks(const std::vector<Group>& groups, int block) {
-  std::vector<int32_t> pairs;
-  for (const Group& g : groups) {
-    const int lanes = g.blocks * g.lanes_per_block, per_block = g.lanes_per_block;
-    for (int j = 0; j < g.steps; ++j)
-      for (int h = 0; h < 2; ++h)
-        for (int l = 0; l < 16; ++l) {
-          const int64_t b = g.first_block + l / per_block;
-          const int64_t e = 4 * (j * per_block + l % per_block) + 2 * h;
-          pairs.push_back(l < lanes ? static_cast<int32_t>((b * block + e) / 2) : -1);
-        }
-  }
-  return pairs;
-}
-
 }  // namespace
 
 const RowLayout& layout_of(int64_t blocks, int block, int bits) {
@@ -62,10 +41,6 @@ const RowLayout& layout_of(int64_t blocks, int block, int bits) {
   if (!layout) {
     auto made = std::make_unique<RowLayout>();
     made->groups = groups_of(blocks, block, bits);
-    made->pairs = pairs_of_chunks(made->groups, block);
-    made->slot_of.assign(blocks * block / 2, -1);
-    for (size_t slot = 0; slot < made->pairs.size(); ++slot)
-      if (made->pairs[slot] >= 0) made->slot_of[made->pairs[slot]] = static_cast<int32_t>(slot);
     layout = std::move(made);
   }
   return *layout;
@@ -74,8 +49,7 @@ const RowLayout& layout_of(int64_t blocks, int block, int bits) {
 const RowLayout& check_quant_gemm(const at::Tensor& out, const at::Tensor& x,
                                   const at::Tensor& data, const at::Tensor& scales,
                                   const c10::optional<at::Tensor>& mins, int64_t bits,
-                                  int64_t block, const c10::optional<at::Tensor>& bias,
-                                  bool silu_mul) {
+                                  int64_t block, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 &&
               (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
               "quant_gemm: bfloat16 x, bfloat16 or float32 (logits) out expected");
@@ -88,7 +62,7 @@ const RowLayout& check_quant_gemm(const at::Tensor& out, const at::Tensor& x,
   const int64_t m = x.size(0), k = x.size(1), n = data.size(0);
   TORCH_CHECK(k % block == 0 && k > 0 && scales.size(0) == n && scales.size(1) == k / block &&
               x.stride(1) == 1 && out.stride(1) == 1 && out.size(0) == m &&
-              out.size(1) == (silu_mul ? n / 2 : n), "quant_gemm: shapes do not match");
+              out.size(1) == n, "quant_gemm: shapes do not match");
   const RowLayout& layout =
       layout_of(k / block, static_cast<int>(block), static_cast<int>(bits));
   const Group& last = layout.groups.back();

@@ -24,7 +24,7 @@ CSRC = os.path.normpath(os.path.join(os.path.dirname(__file__), os.pardir, os.pa
 # torch ops they replace.
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 SOURCES = ("attention/decode.cpp", "attention/prefill.cpp", "gemm.cpp", "gemm_amx.cpp",
-           "quant/layout.cpp", "quant/dots.cpp", "quant/panels.cpp", "quant/int8_amx.cpp",
+           "quant/layout.cpp", "quant/dots.cpp", "quant/int8_amx.cpp",
            "quant/tiled.cpp", "fp8_gemm.cpp", "pointwise.cpp", "sampling.cpp", "threads.cpp",
            "bindings.cpp")
 HEADERS = ("amx.h", "gemm_tiles.h", "ops.h", "vec.h", "attention/common.h",

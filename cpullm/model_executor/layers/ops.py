@@ -65,9 +65,7 @@ class KernelTable:
     prefill_attention_bf16: Kernel | None
     quant_gemm: Kernel | None  # AVX-512 VNNI, or AVX2's int8 multiply-adds
     quant_gemm_grouped: Kernel | None
-    quant_gemm_bf16: Kernel | None  # AVX-512 VNNI and BF16
-    quant_gemm_bf16_amx: Kernel | None
-    quant_gemm_int8_amx: Kernel | None
+    quant_gemm_int8_amx: Kernel | None  # AVX-512 VNNI and BF16
     quant_gemm_tiled_int8: Kernel | None
     quant_gemm_tiled_bf16: Kernel | None
     quant_gemm_tiled_grouped: Kernel | None
@@ -109,8 +107,8 @@ class KernelTable:
 
 
 # The kernels on AMX tiles: None in a KernelTable where the tiles do not run.
-AMX_KERNELS = ("gemm_bf16_amx", "decode_attention_amx", "quant_gemm_bf16_amx",
-               "quant_gemm_int8_amx", "quant_gemm_tiled_amx", "fp8_gemm_bf16_amx")
+AMX_KERNELS = ("gemm_bf16_amx", "decode_attention_amx", "quant_gemm_int8_amx",
+               "quant_gemm_tiled_amx", "fp8_gemm_bf16_amx")
 
 
 def build_name() -> str:

@@ -58,10 +58,10 @@ class QuantizedWeight(nn.Module):
 
     # The kernels (kernel_for's names) that can store silu(gate) * up of a gate-up weight
     # (gate and up stacked) as they store the product.
-    silu_mul_kernels: tuple[str, ...] = ("panels", "amx")
+    silu_mul_kernels: tuple[str, ...] = ()
     # The kernels that take a float32 out (``logits``): the int8 ones then quantize x in two
     # levels, and every one stores its float32 sums unrounded.
-    float32_kernels: tuple[str, ...] = ("int8", "panels", "torch")
+    float32_kernels: tuple[str, ...] = ("int8", "torch")
 
     def __init__(self, fmt: BlockFormat, data: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor | None, k: int, qtype: str, origin: str = "GGUF",
@@ -142,24 +142,12 @@ class QuantizedWeight(nn.Module):
         compute."""
         return ops is not None and ops.quant_gemm is not None and dtype == torch.bfloat16
 
-    def amx_runs(self, ops: KernelTable) -> bool:
-        """Whether the dequantized panels can run on AMX tiles here (K the tile depth's
-        multiple)."""
-        return ops.quant_gemm_bf16_amx is not None and self.k % 32 == 0
-
     def kernel_for(self, rows: int, ops: KernelTable | None, dtype: torch.dtype) -> str:
-        """What multiplies ``rows`` rows of x: "int8" (cpullm's dot products on the blocks,
-        AVX-512 VNNI, or AVX2 for every number of rows), "panels" (cpullm's bf16 GEMM on
-        panels dequantized 32 rows at a time, AVX-512 BF16), "amx" (those panels on AMX
-        tiles) or "torch" (ATen on weights dequantized a slice at a time)."""
-        if not self.kernels_run(ops, dtype):
-            return "torch"
-        assert ops is not None
-        if ops.quant_gemm_bf16 is None or self.n % 32:
-            return "int8"
-        if self.amx_runs(ops):
-            return "amx" if rows > AMX_PANELS_MIN_ROWS else "int8"
-        return "panels" if rows > VNNI_MAX_ROWS else "int8"
+        """What multiplies ``rows`` rows of x: "int8" (cpullm's dot products on the blocks
+        as stored, AVX-512 VNNI or AVX2) or "torch" (ATen on weights dequantized a slice at
+        a time). Wherever the AVX-512 BF16 kernels run, a weight runs in 16-row tiles
+        instead (``TiledWeight``), but where K is not a multiple of 32."""
+        return "int8" if self.kernels_run(ops, dtype) else "torch"
 
     def fuses_silu_mul(self, kernel: str) -> bool:
         """Whether ``kernel`` (kernel_for's name) can return silu(gate) * up of this weight
@@ -177,13 +165,8 @@ class QuantizedWeight(nn.Module):
             assert ops is not None
             if x.stride(-1) != 1 or x.stride(0) % 2:
                 x = x.contiguous()
-            args = (out, x, self.data, self.scales, self.mins, self.fmt.bits, self.fmt.block,
-                    self.fmt.zero or 0, bias)
-            if kernel == "int8":
-                ops.quant_gemm(*args)
-            else:
-                run = ops.quant_gemm_bf16 if kernel == "panels" else ops.quant_gemm_bf16_amx
-                run(*args, silu_mul)
+            ops.quant_gemm(out, x, self.data, self.scales, self.mins, self.fmt.bits,
+                           self.fmt.block, self.fmt.zero or 0, bias)
             return
         # Dequantize a slice of rows at a time: never the whole weight in floats at once.
         # (A float32 out, logits: in float32.)
@@ -243,19 +226,11 @@ class QuantizedWeight(nn.Module):
         name = f"{self.origin} {self.qtype} kept as {self.fmt.name}"
         if dtype is None:
             return name
-        few, many = self.kernel_for(1, ops, dtype), self.kernel_for(1 << 20, ops, dtype)
-        if few == "torch":
+        if self.kernel_for(1, ops, dtype) == "torch":
             return f"{name}: dequantized a slice at a time, ATen linear"
         assert ops is not None
-        if many == "int8":
-            isa = "AVX2" if ops.isa == "avx2" else "AVX-512 VNNI"
-            return f"{name}: cpullm int8 dot products ({isa})"
-        if many == "amx":
-            return (f"{name}: cpullm int8 dot products (AVX-512 VNNI) up to "
-                    f"{AMX_PANELS_MIN_ROWS} rows, above it bf16 AMX tiles of W dequantized 32 "
-                    "rows at a time")
-        return (f"{name}: cpullm int8 dot products (AVX-512 VNNI) up to {VNNI_MAX_ROWS} rows, "
-                "bf16 GEMM on panels dequantized 32 rows at a time above")
+        isa = "AVX2" if ops.isa == "avx2" else "AVX-512 VNNI"
+        return f"{name}: cpullm int8 dot products ({isa})"
 
 
 class AmxInt8Weight(QuantizedWeight):
@@ -327,28 +302,40 @@ class TiledWeight(QuantizedWeight):
 
     silu_mul_kernels = ("tiled_int8", "tiled_bf16", "tiled_amx")
     float32_kernels = ("tiled_int8", "tiled_bf16", "tiled_amx", "torch")
+    # Rows of zeros past the weight's n, to a multiple of the 32 rows of a panel (an LM
+    # head's odd vocabulary): the kernels write them into a scratch product.
+    pad = 0
 
     @staticmethod
     def runs(weight: QuantizedWeight, ops: KernelTable) -> bool:
         """Whether ``weight`` (integer blocks as loaded, not FP8 nor another layout) can be
-        tiled and run here: the kernels built, K a multiple of the tile depth (32) and N of
-        the 32 columns of a panel."""
+        tiled and run here: the kernels built, K a multiple of the tile depth (32)."""
         return type(weight) is QuantizedWeight and ops.quant_gemm_tiled_int8 is not None \
-            and weight.k % 32 == 0 and weight.n % 32 == 0
+            and weight.k % 32 == 0
 
     @classmethod
     def of(cls, weight: QuantizedWeight) -> TiledWeight:
-        n, k, bits = weight.n, weight.k, weight.fmt.bits
+        k, bits, pad = weight.k, weight.fmt.bits, -weight.n % 32
         u = torch.from_numpy(unpack(weight.data.numpy(), bits, weight.fmt.block, k))  # [n, k]
+        scales, mins = weight.scales, weight.mins
+
+        def padded(values: torch.Tensor) -> torch.Tensor:  # zero rows: w = 0 s + 0 = 0
+            return torch.cat([values, values.new_zeros(pad, values.shape[1])])
+
+        if pad:
+            u, scales = padded(u), padded(scales)
+            mins = None if mins is None else padded(mins)
+        n = u.shape[0]
         if bits == 8:
             steps = u.view(n // 16, 16, k // 32, 8, 4).permute(0, 2, 3, 1, 4)
         else:  # k = 32 c + 16 h + 4 q + j: h = 0 in the low halves, 1 in the high ones
             halves = u.view(n // 16, 16, k // 32, 2, 4, 4)
             steps = (halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
-        mins = None if weight.mins is None else cls._grouped(weight.mins)
-        return cls(weight.fmt, steps.reshape(n // 16, -1).contiguous(),
-                   cls._grouped(weight.scales), mins, k, weight.qtype, weight.origin,
-                   weight.per_token)
+        tiled = cls(weight.fmt, steps.reshape(n // 16, -1).contiguous(), cls._grouped(scales),
+                    None if mins is None else cls._grouped(mins), k, weight.qtype,
+                    weight.origin, weight.per_token)
+        tiled.pad = pad
+        return tiled
 
     @staticmethod
     def _grouped(values: torch.Tensor) -> torch.Tensor:
@@ -357,7 +344,7 @@ class TiledWeight(QuantizedWeight):
 
     @property
     def n(self) -> int:
-        return self.data.shape[0] * 16
+        return self.data.shape[0] * 16 - self.pad
 
     def dequantize(self, dtype: torch.dtype, index: torch.Tensor | slice | None = None
                    ) -> torch.Tensor:
@@ -393,7 +380,15 @@ class TiledWeight(QuantizedWeight):
         return "tiled_int8"
 
     def grouped_kernel(self, ops: KernelTable) -> Kernel | None:
-        return ops.quant_gemm_tiled_grouped
+        return None if self.pad else ops.quant_gemm_tiled_grouped
+
+    @staticmethod
+    def kernel(ops: KernelTable, name: str) -> Kernel:
+        """The kernel that kernel_for's ``name`` stands for."""
+        run = {"tiled_int8": ops.quant_gemm_tiled_int8, "tiled_bf16": ops.quant_gemm_tiled_bf16,
+               "tiled_amx": ops.quant_gemm_tiled_amx}[name]
+        assert run is not None, name
+        return run
 
     def matmul_into(self, out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
                     ops: KernelTable | None, kernel: str | None = None,
@@ -404,11 +399,17 @@ class TiledWeight(QuantizedWeight):
             super().matmul_into(out, x, bias, ops, kernel)
             return
         assert ops is not None
-        run = {"tiled_int8": ops.quant_gemm_tiled_int8, "tiled_bf16": ops.quant_gemm_tiled_bf16,
-               "tiled_amx": ops.quant_gemm_tiled_amx}[kernel]
-        assert run is not None, kernel
+        run = self.kernel(ops, kernel)
         if x.stride(-1) != 1:
             x = x.contiguous()
+        if self.pad:  # (no SiLU-mul: n is not a multiple of 32)
+            wide = out.new_empty(out.shape[0], self.n + self.pad)
+            if bias is not None:
+                bias = torch.cat([bias, bias.new_zeros(self.pad)])
+            run(wide, x, self.data, self.scales, self.mins, self.fmt.bits, self.fmt.block,
+                self.fmt.zero or 0, bias, False)
+            out.copy_(wide[:, :self.n])
+            return
         run(out, x, self.data, self.scales, self.mins, self.fmt.bits, self.fmt.block,
             self.fmt.zero or 0, bias, silu_mul)
 
@@ -584,8 +585,9 @@ class KeptLinearMethod(LinearMethod):
         while limit < _STEP_ROWS and whole.kernel_for(limit + 1, ops, dtype) == kernel:
             limit += 1
         size = layer.output_size // 2 if silu_mul else layer.output_size
-        if isinstance(whole, TiledWeight) and kernel != "torch":
-            run = getattr(ops, "quant_gemm_" + kernel)
+        if isinstance(whole, TiledWeight) and kernel != "torch" and not whole.pad:
+            assert ops is not None
+            run = TiledWeight.kernel(ops, kernel)
             args = (whole.data, whole.scales, whole.mins, whole.fmt.bits, whole.fmt.block,
                     whole.fmt.zero or 0, bias, silu_mul)
 
