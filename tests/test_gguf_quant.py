@@ -181,8 +181,8 @@ def test_kernel_writes_into_a_column_slice():
 
 def tiled_kernels() -> tuple[object, list[str]]:
     """The kernel table, and the kernels on 16-row tiles this machine runs: the int8 dot
-    products and the AVX-512 GEMM on dequantized panels wherever the AVX-512 BF16 build
-    runs, the AMX GEMM where the CPU has AMX."""
+    products in every library (AVX2, AVX-512 VNNI), the AVX-512 GEMM on dequantized panels
+    wherever the AVX-512 BF16 build runs, the AMX GEMM where the CPU has AMX."""
     ops, _ = quantized_kernels()
     found = []
     for kernel in ("tiled_int8", "tiled_bf16"):
@@ -281,19 +281,28 @@ def test_kernels_store_float32_logits(qtype, rows):
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
 def test_tiled_kernels_store_silu_mul_and_write_a_column_slice(qtype, rows):
     """On 16-row tiles, every kernel: silu(gate) * up stored with the product is bit for bit
-    the product followed by the SiLU-mul kernel; the product lands in a column slice of a
-    wider output."""
+    the product followed by the SiLU-mul kernel (wherever the library has that kernel; the
+    others refuse to store it); the product lands in a column slice of a wider output."""
     from cpullm.model_executor.layers.activation import SiluAndMul
 
     ops, kernels = tiled_kernels()
-    kernels_or_skip(kernels, {"avx512_vnni", "avx512_bf16"}, "the kernels on 16-row tiles")
+    kernels_or_skip(kernels, {"avx2"}, "the kernels on 16-row tiles")
     n, k = 96, width(qtype)
     weight = TiledWeight.of(RawBlocks(qtype, random_blocks(
         qtype, n, k, np.random.default_rng(5)), (n, k)).to_weight())
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=gen).bfloat16()
     for kernel in kernels:
+        if not weight.fuses_silu_mul(kernel, ops):
+            assert ops.silu_and_mul_bf16 is None, kernel
+            with pytest.raises(RuntimeError, match="stores products"):
+                weight.kernel(ops, kernel)(torch.empty(rows, n // 2, dtype=torch.bfloat16), x,
+                                           weight.data, weight.scales, weight.mins,
+                                           weight.fmt.bits, weight.fmt.block,
+                                           weight.fmt.zero or 0, None, True)
         for bias in (torch.randn(n, generator=gen).bfloat16(), None):
+            if not weight.fuses_silu_mul(kernel, ops):
+                break
             product = torch.empty(rows, n, dtype=torch.bfloat16)
             weight.matmul_into(product, x, bias, ops, kernel=kernel)
             fused = torch.empty(rows, n // 2, dtype=torch.bfloat16)
@@ -479,7 +488,7 @@ def test_mixed_types_on_the_avx2_kernels(mixed_gguf, monkeypatch):
     ops_py.load_ops.cache_clear()
     try:
         ops = ops_py.load_ops()
-        assert ops is not None and ops.isa == "avx2" and ops.quant_gemm_tiled_int8 is None
+        assert ops is not None and ops.isa == "avx2" and ops.quant_gemm_tiled_bf16 is None
         model, quantized = greedy_outputs(mixed_gguf, "bfloat16")
     finally:
         monkeypatch.delenv("CPULLM_KERNEL_ISA")

@@ -485,7 +485,7 @@ def test_amx_int8_kernel_matches_per_token_reference(n, k, rows):
         assert torch.allclose(out.double(), want, rtol=2 ** -8,
                               atol=1e-6 * float(want.abs().max()))
         if n % 32 == 0:  # as a gate-up weight: silu(gate) * up stored by the kernel
-            assert tiles.fuses_silu_mul(tiles.kernel_for(rows, ops, x.dtype))
+            assert tiles.fuses_silu_mul(tiles.kernel_for(rows, ops, x.dtype), ops)
             fused = torch.empty(rows, n // 2, dtype=torch.bfloat16)
             tiles.matmul_into(fused, x, b, ops, silu_mul=True)
             assert torch.equal(fused, SiluAndMul(ops)(out))

@@ -49,22 +49,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "quant_gemm for several kept-quantized weights of one layout, each on its own run "
         "of rows, in one call", nogil);
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-  m.def("quant_gemm_int8_amx", &cpullm::quant_gemm_int8_amx,
-        "x @ w.T for per-channel INT8 weights laid out as AMX-INT8 tiles, x quantized per "
-        "token; only where amx_bf16_ready()", nogil);
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   m.def("quant_gemm_tiled_int8", &cpullm::quant_gemm_tiled_int8,
         "x @ w.T with w kept quantized in 16-row tiles, on int8 dot products of x quantized "
         "per block", nogil);
   m.def("quant_gemm_tiled_grouped", &cpullm::quant_gemm_tiled_grouped,
         "quant_gemm_tiled_int8 for several tiled weights of one layout, each on its own run "
         "of rows, in one call", nogil);
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
   m.def("quant_gemm_tiled_bf16", &cpullm::quant_gemm_tiled_bf16,
         "x @ w.T with w kept quantized in 16-row tiles, dequantized into the bf16 GEMM's panels",
         nogil);
   m.def("quant_gemm_tiled_amx", &cpullm::quant_gemm_tiled_amx,
         "x @ w.T with w kept quantized in 16-row tiles, dequantized into AMX tiles' panels "
         "(K a multiple of 32); only where amx_bf16_ready()", nogil);
+  m.def("quant_gemm_int8_amx", &cpullm::quant_gemm_int8_amx,
+        "x @ w.T for per-channel INT8 weights laid out as AMX-INT8 tiles, x quantized per "
+        "token; only where amx_bf16_ready()", nogil);
 #endif
 #if defined(__AVX512BW__) && defined(__AVX512BF16__)
   m.def("fp8_gemm_bf16", &cpullm::fp8_gemm_bf16,

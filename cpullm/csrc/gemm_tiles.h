@@ -1,5 +1,5 @@
 // The bfloat16 GEMM's register tiles, shared by the dense GEMM (gemm.cpp) and the GEMM of
-// kept-quantized weights on dequantized panels (quant/tiled.cpp).
+// kept-quantized weights on dequantized panels (quant/tiled_panels.cpp).
 #pragma once
 
 #include "vec.h"

@@ -67,28 +67,34 @@ void quant_gemm_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> da
                         std::vector<at::Tensor> biases, std::vector<int64_t> offsets,
                         int64_t bits, int64_t block, int64_t zero);
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-// silu_mul (here and below): W is gate and up stacked, and out [m, n / 2] gets silu(gate) * up
-// per-channel INT8 laid out as AMX-INT8 tiles [n / 16, k / 64, 16, 64] (u = q + 128) with
-// a float32 scale per row, by x quantized per token, on the tiles (where amx_bf16_ready())
-void quant_gemm_int8_amx(at::Tensor out, at::Tensor x, at::Tensor tiles, at::Tensor row_scales,
-                         c10::optional<at::Tensor> bias, bool silu_mul);
-// the same blocks laid out in 16-row tiles (data [n / 16, k * 2 bits], scales and mins
-// [n / 16, blocks, 16], K a multiple of 32): int8 dot products of x quantized per block, and
-// dequantized into the AVX-512 GEMM's panels or the AMX GEMM's (where amx_bf16_ready())
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// The same blocks laid out in 16-row tiles (data [n / 16, k * 2 bits], scales and mins
+// [n / 16, blocks, 16], K a multiple of 32): int8 dot products of x quantized per block, for
+// one weight, and for several of one shape (weight i over rows [offsets[i], offsets[i + 1])
+// of x, a mixture's experts); on AVX-512 VNNI, or on AVX2's int8 multiply-adds. silu_mul
+// (here and below; not on AVX2): W is gate and up stacked, and out [m, n / 2] gets
+// silu(gate) * up.
 void quant_gemm_tiled_int8(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
-                           c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
-                           int64_t zero, c10::optional<at::Tensor> bias, bool silu_mul);
-void quant_gemm_tiled_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                            c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
                            int64_t zero, c10::optional<at::Tensor> bias, bool silu_mul);
 void quant_gemm_tiled_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> data,
                               std::vector<at::Tensor> scales, std::vector<at::Tensor> mins,
                               std::vector<at::Tensor> biases, std::vector<int64_t> offsets,
                               int64_t bits, int64_t block, int64_t zero);
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+// the 16-row tiles dequantized into the AVX-512 GEMM's panels or the AMX GEMM's (where
+// amx_bf16_ready())
+void quant_gemm_tiled_bf16(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
+                           c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
+                           int64_t zero, c10::optional<at::Tensor> bias, bool silu_mul);
 void quant_gemm_tiled_amx(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
                           c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
                           int64_t zero, c10::optional<at::Tensor> bias, bool silu_mul);
+// per-channel INT8 laid out as AMX-INT8 tiles [n / 16, k / 64, 16, 64] (u = q + 128) with
+// a float32 scale per row, by x quantized per token, on the tiles (where amx_bf16_ready())
+void quant_gemm_int8_amx(at::Tensor out, at::Tensor x, at::Tensor tiles, at::Tensor row_scales,
+                         c10::optional<at::Tensor> bias, bool silu_mul);
 #endif
 
 // fp8_gemm.cpp: x @ W.T with W kept in FP8 (e4m3 bytes, a float32 scale per row and block)

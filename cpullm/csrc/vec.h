@@ -225,6 +225,19 @@ inline void prefetch_row(const c10::BFloat16* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64)
     _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T0);
 }
+#elif defined(__AVX512F__)
+// Without AVX-512 BF16: the same rounding to nearest even in integer steps (NaN as torch
+// writes it).
+inline void bf16x16_store(c10::BFloat16* p, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan,
+                                                                  _mm512_set1_epi32(0x7FC0))));
+}
 #endif
 
 }  // namespace cpullm

@@ -149,9 +149,9 @@ class QuantizedWeight(nn.Module):
         instead (``TiledWeight``), but where K is not a multiple of 32."""
         return "int8" if self.kernels_run(ops, dtype) else "torch"
 
-    def fuses_silu_mul(self, kernel: str) -> bool:
-        """Whether ``kernel`` (kernel_for's name) can return silu(gate) * up of this weight
-        (gate and up stacked, 16-row multiples each) in place of the product."""
+    def fuses_silu_mul(self, kernel: str, ops: KernelTable | None) -> bool:
+        """Whether ``kernel`` (kernel_for's name) of ``ops`` can return silu(gate) * up of
+        this weight (gate and up stacked, 16-row multiples each) in place of the product."""
         return self.n % 32 == 0 and kernel in self.silu_mul_kernels
 
     def matmul_into(self, out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
@@ -297,8 +297,8 @@ class TiledWeight(QuantizedWeight):
     ``scales`` and ``mins`` [n / 16, blocks, 16]. Dequantized, a step is rows of an AMX
     tile's B operand as they lie (and half of a row of the AVX-512 GEMM's panels), so the
     AMX GEMM needs no transposes of W or of its products; VNNI's dot products read the
-    steps as they lie (csrc/quant/tiled.cpp: quant_gemm_tiled_*). Made wherever those
-    kernels run (AVX-512 VNNI and BF16)."""
+    steps as they lie (csrc/quant/tiled*: quant_gemm_tiled_*). Made wherever the dot
+    products run (AVX-512 VNNI; the panels' kernels need BF16 too)."""
 
     silu_mul_kernels = ("tiled_int8", "tiled_bf16", "tiled_amx")
     float32_kernels = ("tiled_int8", "tiled_bf16", "tiled_amx", "torch")
@@ -375,12 +375,18 @@ class TiledWeight(QuantizedWeight):
         assert ops is not None
         if ops.quant_gemm_tiled_amx is not None:
             return "tiled_amx" if rows > AMX_PANELS_MIN_ROWS else "tiled_int8"
-        if rows > VNNI_MAX_ROWS and cpu_info().bf16_dots_outrun_vnni:
+        if (rows > VNNI_MAX_ROWS and ops.quant_gemm_tiled_bf16 is not None
+                and cpu_info().bf16_dots_outrun_vnni):
             return "tiled_bf16"
         return "tiled_int8"
 
     def grouped_kernel(self, ops: KernelTable) -> Kernel | None:
         return None if self.pad else ops.quant_gemm_tiled_grouped
+
+    def fuses_silu_mul(self, kernel: str, ops: KernelTable | None) -> bool:
+        # the stores round as silu_and_mul_bf16 does: in the libraries that have it
+        return super().fuses_silu_mul(kernel, ops) and ops is not None \
+            and ops.silu_and_mul_bf16 is not None
 
     @staticmethod
     def kernel(ops: KernelTable, name: str) -> Kernel:
@@ -544,7 +550,7 @@ class KeptLinearMethod(LinearMethod):
         kernel = None  # the one kernel_for asked, passed on
         if whole is not None:
             kernel = whole.kernel_for(rows.shape[0], layer.ops, rows.dtype)
-            if layer.act is not None and whole.fuses_silu_mul(kernel):
+            if layer.act is not None and whole.fuses_silu_mul(kernel, layer.ops):
                 # gate and up in one kept weight: the kernel stores silu(gate) * up itself
                 out = rows.new_empty(rows.shape[0], layer.output_size // 2)
                 whole.matmul_into(out, rows, bias, layer.ops, kernel, silu_mul=True)
@@ -579,7 +585,7 @@ class KeptLinearMethod(LinearMethod):
             return None
         whole, ops, bias = segments[0].quantized, layer.ops, layer.bias
         kernel, silu_mul = whole.kernel_for(1, ops, dtype), layer.act is not None
-        if silu_mul and not whole.fuses_silu_mul(kernel):
+        if silu_mul and not whole.fuses_silu_mul(kernel, ops):
             return None
         limit = 1
         while limit < _STEP_ROWS and whole.kernel_for(limit + 1, ops, dtype) == kernel:

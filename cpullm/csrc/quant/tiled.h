@@ -1,0 +1,107 @@
+// A kept weight is laid out again after loading (quantization/kept.py, TiledWeight) with 16
+// rows of W side by side, one per 32-bit lane: per 16 rows
+// ("a group") and 32 k ("a chunk"), steps of 64 bytes whose lane r holds 4 consecutive k of
+// row r. With 8 bits, 8 steps, step q the k 4q .. 4q + 3; with 4 bits, 4 steps, step q
+// those k in its low halves and 16 + 4q .. 16 + 4q + 3 in its high ones. The scales (and
+// mins) are [groups][blocks][16]. So:
+// - dequantized, a step is rows of the B operand of TDPBF16PS as they lie (pairs of k by 16
+//   columns of W), and half of a row of the dense GEMM's panels: a group's 16 rows need no
+//   transpose, and the dense GEMMs run on the panels they make (gemm_on_panels_amx, x the A
+//   operand where it lies, the products stored as they come: no tiles of x to lay out, no
+//   products to transpose; gemm_on_panels on AVX-512 BF16);
+// - for a few rows of x, a step is the operand of VNNI's dot products of 4 u by 4 q per
+//   lane, x quantized to int8 per block and broadcast 4 k at a time. On CPUs whose BF16 dot
+//   products are no faster than their VNNI ones (Zen 4: a VNNI instruction does twice the
+//   multiply-adds at the same rate) these win at every number of rows.
+// quantization/kept.py (TiledWeight.kernel_for) picks between them by rows and CPU.
+//
+// Files: tiled.h (the layout and x's int8 blocks, shared), tiled_dots.cpp over
+// tiled_dots_avx512.h (the int8 dot products), tiled_panels.cpp (the dequantized panels).
+#pragma once
+
+#include "kept.h"
+
+namespace cpullm {
+namespace quant {
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct TiledWeight {
+  const uint8_t* data;  // [groups][k / 32][steps][64]
+  const void* scales;   // [groups][blocks][16]
+  const void* mins;     // the same, or null
+  int64_t k, blocks, group_bytes;
+  float zero;
+};
+
+// x quantized to int8 per block, in order: q [m][k], dx and dx sum(q) [m][blocks].
+struct BlockQuantizedX {
+  std::vector<int8_t> q;
+  std::vector<float> scale, sum;
+};
+
+// two_levels: as quantize_x's (rows 2t and 2t + 1 for token t).
+inline BlockQuantizedX quantize_blocks(const at::Tensor& x, int64_t block, bool two_levels) {
+  const int64_t k = x.size(1), blocks = k / block, per_token = two_levels ? 2 : 1;
+  const int64_t m = x.size(0) * per_token;
+  BlockQuantizedX out{std::vector<int8_t>(m * k), std::vector<float>(m * blocks),
+                      std::vector<float>(m * blocks)};
+  auto quantize = [&](const auto* row, int64_t t) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      int32_t total = 0;
+      const float d = quantize_span(row + b * block, block, out.q.data() + t * k + b * block,
+                                    total);
+      out.scale[t * blocks + b] = d;
+      out.sum[t * blocks + b] = d * static_cast<float>(total);
+    }
+  };
+  quantize_levels(x, block, two_levels, 4, quantize);
+  return out;
+}
+
+constexpr int kTiledTokens = 4;  // tokens of x per item of the int8 dot products
+// Rows of x whose int8 copy (k bytes each) a thread's sets of groups run over before the
+// next such block: W is read from memory once per block, x's block from L2.
+constexpr int64_t kTiledBlockRows = 256;
+
+constexpr int64_t kTiledAhead = 4096;  // bytes of a group prefetched ahead (tiled_dots)
+
+// Where quant_gemm_tiled_int8's sums go: bfloat16 rows, or float32 logits (a token's two
+// levels of x, rows 2t and 2t + 1 of its quantized x, added).
+struct TiledOut {
+  float* logits;
+  c10::BFloat16* rows;
+  int64_t ldo;
+};
+
+inline TiledOut tiled_out(const at::Tensor& out) {
+  const bool logits = out.scalar_type() == at::kFloat;
+  return TiledOut{logits ? out.data_ptr<float>() : nullptr,
+                  logits ? nullptr : out.data_ptr<c10::BFloat16>(), out.stride(0)};
+}
+
+// The arguments' checks of the tiled kernels, and the weight as they read it.
+TiledWeight check_tiled(const at::Tensor& out, const at::Tensor& x, const at::Tensor& data,
+                        const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                        int64_t bits, int64_t block, int64_t zero,
+                        const c10::optional<at::Tensor>& bias, bool silu_mul);
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512 group_values(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 group_values(const float* p) { return _mm512_loadu_ps(p); }
+
+// The scale and the min (or -zero s) of block b of group g's 16 rows.
+template <typename S, bool MIN>
+inline void group_scales(const TiledWeight& w, int64_t g, int64_t b, __m512& s, __m512& m) {
+  const int64_t at = (g * w.blocks + b) * 16;
+  s = group_values(static_cast<const S*>(w.scales) + at);
+  m = MIN ? group_values(static_cast<const S*>(w.mins) + at)
+          : _mm512_mul_ps(s, _mm512_set1_ps(-w.zero));
+}
+
+#endif
+
+}  // namespace quant
+}  // namespace cpullm
