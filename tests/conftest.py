@@ -162,13 +162,21 @@ def assert_pool_free(llm: Any) -> None:
 
 
 def quantized_kernels() -> tuple[Any, list[str]]:
-    """The kernel table, and the quantized kernels on the blocks as stored that this
-    machine's build has ("int8": AVX-512 VNNI or AVX2; ``tiled_kernels`` lists those on
-    16-row tiles)."""
+    """The kernel table, and the kernels on 16-row tiles (``TiledWeight``) this machine's
+    build runs: the int8 dot products in every library (AVX2, AVX-512 VNNI), the AVX-512
+    GEMM on dequantized panels wherever the AVX-512 BF16 build runs, the AMX GEMM where the
+    CPU has AMX."""
     from cpullm.model_executor.layers.ops import load_ops
 
     ops = load_ops()
-    return ops, ["int8"] if ops is not None and ops.quant_gemm is not None else []
+    found = []
+    if ops is not None:
+        for kernel, run in (("tiled_int8", ops.quant_gemm_tiled_int8),
+                            ("tiled_bf16", ops.quant_gemm_tiled_bf16),
+                            ("tiled_amx", ops.quant_gemm_tiled_amx)):
+            if run is not None:
+                found.append(kernel)
+    return ops, found
 
 
 def avx2_kernels() -> Any:
@@ -227,14 +235,14 @@ def amx_or_skip(usable: bool, flag: str, what: str) -> None:
 
 
 def quantized_kernel_runs() -> list[tuple[Any, str]]:
-    """(kernel table, kernel) for every quantized kernel this machine can run, forced:
-    quantized_kernels()'s, and the AVX2 library's int8 dot products on a CPU that runs a
-    higher level."""
+    """(kernel table, kernel) for every quantized kernel this machine can run, forced, on a
+    weight's 16-row tiles: quantized_kernels()'s, and the AVX2 library's int8 dot products on
+    a CPU that runs a higher level."""
     ops, kernels = quantized_kernels()
     runs = [(ops, kernel) for kernel in kernels]
     avx2 = avx2_kernels()
     if avx2 is not None and avx2 is not ops:
-        runs.append((avx2, "int8"))
+        runs.append((avx2, "tiled_int8"))
     return runs
 
 

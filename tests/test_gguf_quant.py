@@ -113,39 +113,33 @@ def test_kernels_match_dequantized_reference(qtype, rows):
     reference_w = torch.from_numpy(dequantize_split(split_blocks(
         qtype, random_blocks(qtype, n, k, np.random.default_rng(2)), k)))
     assert torch.equal(weight.dequantize(torch.float32), reference_w)
+    tiled = TiledWeight.of(weight)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)).bfloat16()
     bias = torch.randn(n).bfloat16()
     expected = x.float() @ reference_w.T + bias.float()
     for table, kernel in [(ops, "torch"), *quantized_kernel_runs()]:
         out = torch.empty(rows, n, dtype=torch.bfloat16)
-        weight.matmul_into(out, x, bias, table, kernel=kernel)
+        (weight if kernel == "torch" else tiled).matmul_into(out, x, bias, table, kernel=kernel)
         error = (out.float() - expected).norm() / expected.norm()
         # bf16 output rounding, and the int8 quantization of x for the dot products
-        assert error < (0.01 if kernel == "int8" else 0.004), (kernel, table.isa, error)
+        assert error < (0.01 if kernel == "tiled_int8" else 0.004), (kernel, table.isa, error)
 
 
-@pytest.mark.parametrize("tiles", [False, True], ids=["stored", "tiled"])
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0], ids=lambda t: t.name)
-def test_grouped_kernel_gives_each_weights_product(qtype, tiles):
-    """The grouped kernels (a mixture's experts in one call: quant_gemm_grouped on the blocks
-    as stored, quant_gemm_tiled_grouped on 16-row tiles), in every build this machine runs:
-    each run of rows, an empty one too, gets bit for bit what its own weight gives, and the
-    same where x is a view of wider rows (a mixture's gathered tokens may be)."""
+def test_grouped_kernel_gives_each_weights_product(qtype):
+    """The grouped kernel (a mixture's experts in one call: quant_gemm_tiled_grouped), in
+    every build this machine runs: each run of rows, an empty one too, gets bit for bit what
+    its own weight gives, and the same where x is a view of wider rows (a mixture's gathered
+    tokens may be)."""
     rng = np.random.default_rng(6)
     n, k, offsets = 64, 576, [0, 3, 3, 12, 13, 14]
-    weights = [RawBlocks(qtype, random_blocks(qtype, n, k, rng), (n, k)).to_weight()
-               for _ in range(len(offsets) - 1)]
-    if tiles:
-        weights = [TiledWeight.of(weight) for weight in weights]
+    weights = [TiledWeight.of(RawBlocks(qtype, random_blocks(qtype, n, k, rng), (n, k))
+                              .to_weight()) for _ in range(len(offsets) - 1)]
     biases = [torch.randn(n).bfloat16() for _ in weights]
     x = torch.randn(offsets[-1], k).bfloat16()
-    if tiles:
-        ops, kernel = quantized_kernels()[0], "tiled_int8"
-        runs = [(ops, kernel)] if ops is not None and ops.quant_gemm_tiled_grouped else []
-    else:
-        kernel = "int8"
-        runs = [(table, kernel) for table, name in quantized_kernel_runs() if name == kernel]
-    kernels_or_skip(runs, {"avx512_bf16"} if tiles else {"avx2"}, f"the {kernel} kernels")
+    runs = [(table, kernel) for table, kernel in quantized_kernel_runs()
+            if kernel == "tiled_int8"]
+    kernels_or_skip(runs, {"avx2"}, "the int8 kernels")
     for table, kernel in runs:
         grouped = torch.empty(offsets[-1], n, dtype=torch.bfloat16)
         QuantizedWeight.matmul_grouped(grouped, x, weights, biases, offsets, table)
@@ -166,7 +160,8 @@ def test_kernel_writes_into_a_column_slice():
     ops, kernels = quantized_kernels()
     kernels_or_skip(kernels, {"avx2"}, "the quantized kernels")
     rng = np.random.default_rng(4)
-    weight = RawBlocks(T.Q4_1, random_blocks(T.Q4_1, 64, 256, rng), (64, 256)).to_weight()
+    weight = TiledWeight.of(RawBlocks(T.Q4_1, random_blocks(T.Q4_1, 64, 256, rng),
+                                      (64, 256)).to_weight())
     x = torch.randn(3, 256).bfloat16()
     for kernel in kernels:
         full = torch.full((3, 100), 7.0, dtype=torch.bfloat16)
@@ -179,20 +174,6 @@ def test_kernel_writes_into_a_column_slice():
 
 
 
-def tiled_kernels() -> tuple[object, list[str]]:
-    """The kernel table, and the kernels on 16-row tiles this machine runs: the int8 dot
-    products in every library (AVX2, AVX-512 VNNI), the AVX-512 GEMM on dequantized panels
-    wherever the AVX-512 BF16 build runs, the AMX GEMM where the CPU has AMX."""
-    ops, _ = quantized_kernels()
-    found = []
-    for kernel in ("tiled_int8", "tiled_bf16"):
-        if ops is not None and getattr(ops, f"quant_gemm_{kernel}") is not None:
-            found.append(kernel)
-    if ops is not None and ops.quant_gemm_tiled_amx is not None:
-        found.append("tiled_amx")
-    return ops, found
-
-
 @pytest.mark.parametrize("n", [96, 40])
 @pytest.mark.parametrize("rows", [1, 2, 5, 17, 600])
 @pytest.mark.parametrize("qtype", KEPT_TYPES, ids=lambda t: t.name)
@@ -200,7 +181,7 @@ def test_tiled_kernels_match_dequantized_reference(qtype, rows, n):
     """A weight laid out in 16-row tiles (n = 40: padded with zero rows to 64) dequantizes
     to what it was, whole and row by row, and each tile kernel this machine runs, forced,
     matches x @ W.T in float32 (the dequantizing torch path on any machine)."""
-    ops, kernels = tiled_kernels()
+    ops, kernels = quantized_kernels()
     rng = np.random.default_rng(2)
     k = width(qtype)
     weight = RawBlocks(qtype, random_blocks(qtype, n, k, rng), (n, k)).to_weight()
@@ -245,7 +226,7 @@ def test_kernels_store_float32_logits(qtype, rows):
     x's int8 blocks alone (measured 1.9e-5 against 5.4e-3, relative); the GEMMs on bf16
     panels store the very sums whose bfloat16 rounding they store otherwise."""
     ops, _ = quantized_kernels()
-    _, tile_kernels = tiled_kernels()
+    _, tile_kernels = quantized_kernels()
     libraries = int8_libraries()
     kernels_or_skip(libraries, {"avx2"}, "the int8 dot products")
     n, k = 96, width(qtype)
@@ -255,9 +236,9 @@ def test_kernels_store_float32_logits(qtype, rows):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)).bfloat16()
     bias = torch.randn(n).bfloat16()
     expected = x.double() @ reference_w.T + bias.double()
-    runs = [(weight, table, "int8") for table in libraries]
-    if tile_kernels:
-        runs += [(TiledWeight.of(weight), ops, kernel) for kernel in tile_kernels]
+    tiled = TiledWeight.of(weight)
+    runs = [(tiled, table, "tiled_int8") for table in libraries]
+    runs += [(tiled, ops, kernel) for kernel in tile_kernels if kernel != "tiled_int8"]
     for w, table, kernel in [*runs, (weight, ops, "torch")]:
         assert kernel in w.float32_kernels, kernel
         products = {}
@@ -285,7 +266,7 @@ def test_tiled_kernels_store_silu_mul_and_write_a_column_slice(qtype, rows):
     others refuse to store it); the product lands in a column slice of a wider output."""
     from cpullm.model_executor.layers.activation import SiluAndMul
 
-    ops, kernels = tiled_kernels()
+    ops, kernels = quantized_kernels()
     kernels_or_skip(kernels, {"avx2"}, "the kernels on 16-row tiles")
     n, k = 96, width(qtype)
     weight = TiledWeight.of(RawBlocks(qtype, random_blocks(
@@ -325,7 +306,7 @@ def test_tiled_kernel_follows_the_cpu(amx, monkeypatch):
     from cpullm.model_executor.layers.quantization import kept
     from cpullm.platform.cpu import CpuInfo
 
-    ops, kernels = tiled_kernels()
+    ops, kernels = quantized_kernels()
     kernels_or_skip("tiled_int8" in kernels, {"avx512_vnni", "avx512_bf16"},
                     "the int8 kernels on 16-row tiles")
     weight = TiledWeight.of(RawBlocks(T.Q4_1, random_blocks(

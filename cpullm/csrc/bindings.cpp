@@ -43,13 +43,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal attention of prompt chunks on the paged bfloat16 caches, fused", nogil);
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  m.def("quant_gemm", &cpullm::quant_gemm,
-        "x @ w.T with w kept quantized, on int8 dot products of x quantized per block", nogil);
-  m.def("quant_gemm_grouped", &cpullm::quant_gemm_grouped,
-        "quant_gemm for several kept-quantized weights of one layout, each on its own run "
-        "of rows, in one call", nogil);
-#endif
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   m.def("quant_gemm_tiled_int8", &cpullm::quant_gemm_tiled_int8,
         "x @ w.T with w kept quantized in 16-row tiles, on int8 dot products of x quantized "
         "per block", nogil);

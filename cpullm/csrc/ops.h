@@ -53,22 +53,12 @@ void decode_attention_amx(at::Tensor out, at::Tensor q, at::Tensor key_cache,
                           c10::optional<at::Tensor> sinks);
 #endif
 
-// quant/: x @ W.T with W kept quantized (u, scales, mins or a zero point); on
-// AVX-512 VNNI, or on AVX2's int8 multiply-adds. out is bfloat16, or float32 for an LM
-// head's logits, where the int8 dot products (quant_gemm, quant_gemm_tiled_int8) quantize x
-// in two levels and every kernel but the grouped ones and quant_gemm_int8_amx stores its
-// float32 sums unrounded; so do gemm_bf16 and gemm_bf16_amx.
+// quant/: x @ W.T with W kept quantized (u, scales, mins or a zero point). out is bfloat16,
+// or float32 for an LM head's logits, where the int8 dot products (quant_gemm_tiled_int8)
+// quantize x in two levels and every kernel but the grouped one and quant_gemm_int8_amx
+// stores its float32 sums unrounded; so do gemm_bf16 and gemm_bf16_amx.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-void quant_gemm(at::Tensor out, at::Tensor x, at::Tensor data, at::Tensor scales,
-                c10::optional<at::Tensor> mins, int64_t bits, int64_t block, int64_t zero,
-                c10::optional<at::Tensor> bias);
-void quant_gemm_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> data,
-                        std::vector<at::Tensor> scales, std::vector<at::Tensor> mins,
-                        std::vector<at::Tensor> biases, std::vector<int64_t> offsets,
-                        int64_t bits, int64_t block, int64_t zero);
-#endif
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// The same blocks laid out in 16-row tiles (data [n / 16, k * 2 bits], scales and mins
+// Blocks laid out in 16-row tiles (data [n / 16, k * 2 bits], scales and mins
 // [n / 16, blocks, 16], K a multiple of 32): int8 dot products of x quantized per block, for
 // one weight, and for several of one shape (weight i over rows [offsets[i], offsets[i + 1])
 // of x, a mixture's experts); on AVX-512 VNNI, or on AVX2's int8 multiply-adds. silu_mul

@@ -1,41 +1,20 @@
-// x @ W.T on kept-quantized weights (GGUF block types; AWQ, GPTQ and compressed-tensors
-// int groups), in the layout that cpullm/model_executor/layers/quantization/gguf_blocks.py
-// packs: per row of W, small unsigned integers u, a scale per block of 16, 32, 64 or 128
-// weights (float16 or float32) and either a min per block (w = s * u + m) or a zero point
-// (w = s * (u - zero)).
+// What the kernels on kept-quantized weights share (GGUF block types; AWQ, GPTQ and
+// compressed-tensors int groups): per row of W, small unsigned integers u, a scale per block
+// of 16, 32, 64 or 128 weights (float16 or float32) and either a min per block
+// (w = s * u + m) or a zero point (w = s * (u - zero)); laid out after loading in 16-row
+// tiles (tiled.h), or as AMX-INT8 tiles for per-channel INT8 (int8_amx.cpp).
 //
 // x is quantized to int8 per block (scale dx, and dx * sum(q) per block), so that each
 // block's dot product is an integer one, four u8 x s8 products per lane per VNNI
 // instruction:
 //     sum_i w_i x_i = s dx sum_i u_i q_i + (m or -zero s) dx sum_i q_i
-// The weights are read once, as stored (4.5-10 bits each): a decode step reads 2-4x fewer
+// The weights are read once, as kept (4.5-10 bits each): a decode step reads 2-4x fewer
 // bytes than from bfloat16.
 //
-// Layout: the blocks of a row go in groups of 16 blocks, one block per 32-bit lane; the
-// remainder in groups of 8, 4, 2 and 1 blocks, a block over 2, 4, 8 or 16 lanes (at most
-// block / 4), so that every group fills the 16 lanes. A group of G blocks with L lanes
-// per block is S = block / (4 L) steps of 64 bytes; in step j, lane g L + i holds
-// u[4 (j L + i) .. + 3] of the group's block g:
-//
-//     16 blocks, step j:  | blk 0: u[4j..4j+3] | blk 1: u[4j..4j+3] | ... | blk 15 |
-//
-// so that the integer sums build up in registers and meet their scales once per group,
-// with no shuffling for the groups of 16. With 4 bits, steps 2i and 2i + 1 share bytes
-// (step 2i in the low halves); a one-step group of 16 lanes keeps bytes i and i + 32 of
-// its step in byte i; a one-step group of fewer lanes (one block of 32) one u per byte.
-// x is laid out in the same steps, per token.
-//
-// Wherever the AVX-512 VNNI and BF16 kernels run, a model's weights are laid out again in
-// 16-row tiles after loading, with kernels of their own (quant_gemm_tiled_*, tiled.cpp: the
-// int8 dot products for a few rows of x, the bf16 GEMMs on dequantized panels, on AMX tiles
-// where the CPU has them, for many); the layout above stays for K not a multiple of 32 and
-// for CPUs without AVX-512 BF16. Where the CPU has no AVX-512 VNNI, the AVX2 library runs
-// the same int8 dot products on 256-bit halves of the steps (dots_avx2.h).
-//
-// Files: kept.h (the layout's shared parts: groups, x's int8 blocks, the arguments'
-// checks), layout.cpp (the rows' layouts), dots.cpp with dots_avx512.h / dots_avx2.h (the
-// int8 dot products), int8_amx.cpp (per-channel int8 on AMX-INT8 tiles), tiled.cpp (the
-// 16-row tiles).
+// Files: kept.h (x's int8 blocks, the kernels' instances by layout), tiled.h with
+// tiled_dots.cpp over tiled_dots_avx512.h / tiled_dots_avx2.h (the int8 dot products) and
+// tiled_panels.cpp (dequantized panels for the bf16 GEMMs, AVX-512 and AMX), int8_amx.cpp
+// (per-channel int8 on AMX-INT8 tiles).
 #pragma once
 
 #include "../amx.h"
@@ -53,32 +32,9 @@
 namespace cpullm {
 namespace quant {
 
-// The layouts, x's quantization and the arguments' checks: shared by the kernels of every
-// library level (each has AVX2, FMA and F16C).
+// x's quantization and the kernels' instances: shared by every library level (each has
+// AVX2, FMA and F16C).
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-
-// One group of blocks of a row, as laid out above.
-struct Group {
-  int64_t first_block;
-  int blocks, lanes_per_block, steps;
-  int64_t weight_offset;  // bytes into a row of W
-  int64_t x_offset;       // bytes into a token's quantized x
-};
-
-// A row's layout for a shape: its groups. It depends on the shape alone: made at a shape's
-// first call, and kept.
-struct RowLayout {
-  std::vector<Group> groups;
-};
-
-// A shape's layout (made at its first call, and kept).
-const RowLayout& layout_of(int64_t blocks, int block, int bits);
-
-// The arguments' checks, shared by the kernels; the layout of a row of W.
-const RowLayout& check_quant_gemm(const at::Tensor& out, const at::Tensor& x,
-                                  const at::Tensor& data, const at::Tensor& scales,
-                                  const c10::optional<at::Tensor>& mins, int64_t bits,
-                                  int64_t block, const c10::optional<at::Tensor>& bias);
 
 // x[0, len) (len a multiple of 16; bfloat16, or float32: a remainder_row) as int8 q, to
 // nearest, with d = max |x| / 127; returns d, and sum(q) in total.
@@ -140,7 +96,7 @@ inline float quantize_span(const T* x, int64_t len, int8_t* q, int32_t& total) {
 #endif
 
 // What x's int8 blocks (quantize_span's) leave of it, r = x - d q, in float32: the second
-// level of x for logits (quantize_x and quantize_blocks with two_levels), whose bfloat16
+// level of x for logits (quantize_blocks with two_levels), whose bfloat16
 // rounding would leave ~1/256 of each block's largest value in the products.
 inline void remainder_row(const c10::BFloat16* x, int64_t k, int64_t block, float* r) {
   alignas(64) int8_t q[128];
@@ -174,49 +130,13 @@ void quantize_levels(const at::Tensor& x, int64_t block, bool two_levels, int64_
   });
 }
 
-struct Weight {
-  const uint8_t* data;
-  int64_t row_bytes;
-  const void* scales;
-  const void* mins;
-  int64_t blocks;  // per row
-  float zero;
-};
-
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// Scales and mins of up to 16 blocks as float32.
-inline __m512 load16(const at::Half* p, __mmask16 mask) {
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
-}
-inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-
-// 64 u of a row (one step) at p: one per byte, or two per byte sharing bytes i and i + 32.
-template <bool PAIRED>
-inline __m512i load_step(const uint8_t* p, __mmask64 bytes) {
-  if constexpr (PAIRED) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw),
-                                               _mm256_srli_epi16(raw, 4), 1),
-                            _mm512_set1_epi8(0x0F));
-  } else {
-    return _mm512_maskz_loadu_epi8(bytes, p);
-  }
-}
-
 // The index of a word permutation: words (2 l, 2 l + 1) <- words (l, l + 16).
 inline __m512i pair_halves() {
   return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
 }
 #endif
-
-// A kept weight's tensors (checked by check_quant_gemm) as the kernels read them.
-inline Weight weight_of(const at::Tensor& data, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& mins, int64_t zero) {
-  return Weight{data.data_ptr<uint8_t>(), data.size(1), scales.data_ptr(),
-                mins.has_value() ? mins->data_ptr() : nullptr, scales.size(1),
-                static_cast<float>(zero)};
-}
 
 // The instance Of<BITS, BLOCK, S, MIN>::entry of a kernel template (a function, or a table
 // of them) for a weight's layout: u of 4 or 8 bits, blocks of 16, 32, 64 or 128, float16

@@ -39,7 +39,7 @@ struct BlockQuantizedX {
   std::vector<float> scale, sum;
 };
 
-// two_levels: as quantize_x's (rows 2t and 2t + 1 for token t).
+// two_levels: x and its remainder_row as rows 2t and 2t + 1 for token t (logits).
 inline BlockQuantizedX quantize_blocks(const at::Tensor& x, int64_t block, bool two_levels) {
   const int64_t k = x.size(1), blocks = k / block, per_token = two_levels ? 2 : 1;
   const int64_t m = x.size(0) * per_token;

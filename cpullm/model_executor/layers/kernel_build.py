@@ -24,12 +24,10 @@ CSRC = os.path.normpath(os.path.join(os.path.dirname(__file__), os.pardir, os.pa
 # torch ops they replace.
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 SOURCES = ("attention/decode.cpp", "attention/prefill.cpp", "gemm.cpp", "gemm_amx.cpp",
-           "quant/layout.cpp", "quant/dots.cpp", "quant/int8_amx.cpp", "quant/tiled_dots.cpp",
-           "quant/tiled_panels.cpp", "fp8_gemm.cpp", "pointwise.cpp", "sampling.cpp",
-           "threads.cpp", "bindings.cpp")
+           "quant/int8_amx.cpp", "quant/tiled_dots.cpp", "quant/tiled_panels.cpp",
+           "fp8_gemm.cpp", "pointwise.cpp", "sampling.cpp", "threads.cpp", "bindings.cpp")
 HEADERS = ("amx.h", "gemm_tiles.h", "ops.h", "vec.h", "attention/common.h",
-           "attention/decode_bf16.h", "attention/decode_amx.h", "quant/kept.h", "quant/dots.h",
-           "quant/dots_avx512.h", "quant/dots_avx2.h", "quant/tiled.h",
+           "attention/decode_bf16.h", "attention/decode_amx.h", "quant/kept.h", "quant/tiled.h",
            "quant/tiled_dots_avx512.h", "quant/tiled_dots_avx2.h")
 
 @dataclass(frozen=True)

@@ -63,13 +63,11 @@ class KernelTable:
     decode_attention_amx: Kernel | None
     prefill_softmax_bf16: Kernel | None
     prefill_attention_bf16: Kernel | None
-    quant_gemm: Kernel | None  # AVX-512 VNNI, or AVX2's int8 multiply-adds
-    quant_gemm_grouped: Kernel | None
-    quant_gemm_int8_amx: Kernel | None  # AVX-512 VNNI and BF16
-    quant_gemm_tiled_int8: Kernel | None
-    quant_gemm_tiled_bf16: Kernel | None
+    quant_gemm_tiled_int8: Kernel | None  # AVX-512 VNNI, or AVX2's int8 multiply-adds
     quant_gemm_tiled_grouped: Kernel | None
+    quant_gemm_tiled_bf16: Kernel | None  # AVX-512 VNNI and BF16
     quant_gemm_tiled_amx: Kernel | None
+    quant_gemm_int8_amx: Kernel | None
     fp8_gemm_bf16: Kernel | None  # AVX-512 BF16
     fp8_gemm_bf16_amx: Kernel | None
     sample_from_logits: Kernel | None  # AVX-512

@@ -172,6 +172,9 @@ class Float8Weight(QuantizedWeight):
         """Whether cpullm's FP8 kernel runs here: AVX-512 BF16, bfloat16 compute."""
         return ops is not None and ops.fp8_gemm_bf16 is not None and dtype == torch.bfloat16
 
+    def kept_here(self, ops: KernelTable | None, dtype: torch.dtype) -> bool:
+        return self.kernels_run(ops, dtype)  # (its own kernels: K even, see to_weight)
+
     def amx_runs(self, ops: KernelTable) -> bool:
         return ops.fp8_gemm_bf16_amx is not None and self.k % 32 == 0
 

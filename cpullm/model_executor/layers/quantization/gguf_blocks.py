@@ -14,10 +14,12 @@ byte otherwise; s and m in float16 where the file stores them so (the legacy typ
 float32 where they are products (the K-quants). The values are exactly what gguf's own
 dequantizer computes from the same blocks, with the same float32 operations.
 
-``pack`` lays u out for the kernels (cpullm/csrc/quant/, whose kept.h draws it):
-the blocks of a row in groups of 16, one block per 32-bit lane, the rest in groups of 8, 4,
-2 and 1 blocks spread over the 16 lanes; a group as steps of 64 bytes, in which each lane
-holds 4 consecutive u of its block; with 4 bits two steps share bytes.
+``pack`` lays u out as a weight is kept until it loads (the blocks of a row in groups of
+16, one block per 32-bit lane, the rest in groups of 8, 4, 2 and 1 blocks spread over the 16
+lanes; a group as steps of 64 bytes, in which each lane holds 4 consecutive u of its
+block; with 4 bits two steps share bytes); ``unpack`` reads it back, and the kernels' own
+layout, 16-row tiles, is made from that after loading (quantization/kept.py,
+``TiledWeight``).
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ A format's loader turns each checkpoint shard (q, k, v; gate, up) into a
 or a dense tensor for a shard the checkpoint keeps in floats, and optionally a permutation
 of the input columns (GPTQ's act order: the columns sorted by group, x gathered to match).
 After loading, consecutive shards of one kind become one segment, and a matmul runs each
-segment into its columns of the output. Where the quantized kernels do not run (see
-``QuantizedWeight.kernels_run``) the shards are dequantized once after loading instead.
+segment into its columns of the output, on the weight laid out again for the kernels
+(``for_kernels``: 16-row tiles, ``TiledWeight``; AMX-INT8 tiles for per-channel INT8).
+Where the quantized kernels do not run (``QuantizedWeight.kept_here``: no kernels, another
+compute dtype, K not a multiple of 32) the shards are dequantized once after loading.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ from cpullm.platform.cpu import cpu_info
 if TYPE_CHECKING:
     from cpullm.model_executor.layers.linear import LinearBase
 
-# Up to this many rows of x, the integer dot products on the blocks as stored; above, the
-# bfloat16 GEMM on panels dequantized 32 rows at a time (see docs/quantization.md).
+# Up to this many rows of x, the integer dot products; above, on CPUs whose BF16 dot products
+# outrun their VNNI ones, the bfloat16 GEMM on panels dequantized 32 rows at a time (see
+# docs/quantization.md); and the most rows of an expert that a grouped call runs.
 VNNI_MAX_ROWS = 20
 # Where the CPU has AMX tiles, the blocks dequantized 32 rows at a time run on them above
 # this many rows (the crossover of the 135M default model's layers, Q4_1, Q8_0 and Q4_K).
@@ -61,7 +64,7 @@ class QuantizedWeight(nn.Module):
     silu_mul_kernels: tuple[str, ...] = ()
     # The kernels that take a float32 out (``logits``): the int8 ones then quantize x in two
     # levels, and every one stores its float32 sums unrounded.
-    float32_kernels: tuple[str, ...] = ("int8", "torch")
+    float32_kernels: tuple[str, ...] = ("torch",)
 
     def __init__(self, fmt: BlockFormat, data: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor | None, k: int, qtype: str, origin: str = "GGUF",
@@ -140,14 +143,18 @@ class QuantizedWeight(nn.Module):
     def kernels_run(ops: KernelTable | None, dtype: torch.dtype) -> bool:
         """Whether cpullm's quantized kernels run here: AVX-512 VNNI or AVX2, bfloat16
         compute."""
-        return ops is not None and ops.quant_gemm is not None and dtype == torch.bfloat16
+        return ops is not None and ops.quant_gemm_tiled_int8 is not None \
+            and dtype == torch.bfloat16
+
+    def kept_here(self, ops: KernelTable | None, dtype: torch.dtype) -> bool:
+        """Whether this weight stays quantized here: the kernels run, and its layout for them
+        takes its shape (16-row tiles: K a multiple of 32)."""
+        return self.kernels_run(ops, dtype) and self.k % 32 == 0
 
     def kernel_for(self, rows: int, ops: KernelTable | None, dtype: torch.dtype) -> str:
-        """What multiplies ``rows`` rows of x: "int8" (cpullm's dot products on the blocks
-        as stored, AVX-512 VNNI or AVX2) or "torch" (ATen on weights dequantized a slice at
-        a time). Wherever the AVX-512 BF16 kernels run, a weight runs in 16-row tiles
-        instead (``TiledWeight``), but where K is not a multiple of 32."""
-        return "int8" if self.kernels_run(ops, dtype) else "torch"
+        """What multiplies ``rows`` rows of x: "torch" (ATen on weights dequantized a slice
+        at a time). The kernels take the weight as ``for_kernels`` lays it out."""
+        return "torch"
 
     def fuses_silu_mul(self, kernel: str, ops: KernelTable | None) -> bool:
         """Whether ``kernel`` (kernel_for's name) of ``ops`` can return silu(gate) * up of
@@ -160,14 +167,7 @@ class QuantizedWeight(nn.Module):
         """out [rows, n] = x [rows, k] @ W.T (+ bias); ``kernel`` forces one (tests).
         ``silu_mul`` (where ``fuses_silu_mul``): out [rows, n / 2] = silu(gate) * up."""
         kernel = kernel or self.kernel_for(x.shape[0], ops, x.dtype)
-        assert not silu_mul or kernel in self.silu_mul_kernels, kernel
-        if kernel != "torch":
-            assert ops is not None
-            if x.stride(-1) != 1 or x.stride(0) % 2:
-                x = x.contiguous()
-            ops.quant_gemm(out, x, self.data, self.scales, self.mins, self.fmt.bits,
-                           self.fmt.block, self.fmt.zero or 0, bias)
-            return
+        assert kernel == "torch" and not silu_mul, kernel
         # Dequantize a slice of rows at a time: never the whole weight in floats at once.
         # (A float32 out, logits: in float32.)
         dtype = torch.float32 if out.dtype == torch.float32 else x.dtype
@@ -182,7 +182,7 @@ class QuantizedWeight(nn.Module):
     def grouped_kernel(self, ops: KernelTable) -> Kernel | None:
         """The kernel that runs several weights of this class, layout and shape in one call
         (``matmul_grouped``), or None where none does."""
-        return ops.quant_gemm_grouped
+        return None
 
     @staticmethod
     def matmul_grouped(out: torch.Tensor, x: torch.Tensor, weights: list[QuantizedWeight],
@@ -226,11 +226,7 @@ class QuantizedWeight(nn.Module):
         name = f"{self.origin} {self.qtype} kept as {self.fmt.name}"
         if dtype is None:
             return name
-        if self.kernel_for(1, ops, dtype) == "torch":
-            return f"{name}: dequantized a slice at a time, ATen linear"
-        assert ops is not None
-        isa = "AVX2" if ops.isa == "avx2" else "AVX-512 VNNI"
-        return f"{name}: cpullm int8 dot products ({isa})"
+        return f"{name}: dequantized a slice at a time, ATen linear"
 
 
 class AmxInt8Weight(QuantizedWeight):
@@ -493,7 +489,7 @@ class KeptLinearMethod(LinearMethod):
         # times slower); docs/quantization.md states the memory it costs.
         layer.shards = {
             start: shard if not isinstance(shard.weight, QuantizedWeight)
-            or shard.weight.kernels_run(ops, layer.compute_dtype)
+            or shard.weight.kept_here(ops, layer.compute_dtype)
             else Shard(shard.end, self.dense_weight(shard, layer.compute_dtype))
             for start, shard in layer.shards.items()}
         # Consecutive shards of one kind (one block format and column order, or float)
