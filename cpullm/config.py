@@ -1,15 +1,15 @@
 """Frozen configuration of one engine: model, KV cache, scheduler, parallelism.
 
 EngineArgs (user flags) builds these; everything downstream reads them and never
-changes them. Derived values are properties.
+changes them. Derived values are properties of the config's own fields; what depends on
+the model class, the kernels or the checkpoint's files is resolved once into fields
+(``model_executor/loader/sizes.py``), so that no property does I/O.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,20 +41,25 @@ class ModelConfig:
     pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
     lm_head_quantization: str | None = None  # "int8": the LM head quantized at load
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # per request, for logprobs and prompt_logprobs
+    # Resolved once from the model class, the kernels and the checkpoint's files
+    # (EngineArgs.create_engine_config, model_executor/loader/sizes.py), so that the config
+    # stays plain data:
+    # an encoder (BERT, ...): inputs computed whole, with no KV cache (a decoder that embeds
+    # runs as the generative models do, its prompt in chunks over a KV cache)
+    is_encoder: bool = False
+    # each decoder layer's sliding window (0: the whole context), as its attention takes it
+    layer_windows: tuple[int, ...] = ()
+    # LongRoPE: the sequence length past which a sequence runs (and is recomputed) on the
+    # long factors; None for other rotaries or where max_model_len stays within it
+    longrope_edge: int | None = None
+    # whether quantized weights stay quantized (the quantized kernels run, bfloat16 compute)
+    keeps_quantized: bool = False
+    weight_bytes: int = 0  # memory the weights take once loaded
 
     @property
     def is_pooling(self) -> bool:
         """A pooling model: inputs pooled (embedded or scored), nothing sampled."""
         return self.task != "generate"
-
-    @property
-    def is_encoder(self) -> bool:
-        """An encoder (BERT, ...): inputs computed whole, with no KV cache. A decoder that
-        embeds (last-token pooling of a Llama-layout model) runs as the generative models
-        do, its prompt in chunks over a KV cache."""
-        from cpullm.model_executor.models import get_model_class
-
-        return bool(getattr(get_model_class(self.architecture), "is_encoder", False))
 
     @property
     def architecture(self) -> str:
@@ -95,69 +100,6 @@ class ModelConfig:
         if getattr(self.hf_config, "use_sliding_window", True) is False:
             return None
         return getattr(self.hf_config, "sliding_window", None)
-
-    @property
-    def longrope_edge(self) -> int | None:
-        """LongRoPE: the sequence length past which a sequence runs (and is recomputed) on
-        the long factors; None for other rotaries or where max_model_len stays within it."""
-        from cpullm.model_executor.layers.rotary import longrope_edge
-
-        return longrope_edge(self.hf_config, self.max_model_len)
-
-    @property
-    def layer_windows(self) -> list[int]:
-        """Each decoder layer's sliding window (0: the whole context), as the model's
-        attention layers take it."""
-        from cpullm.model_executor.models import get_model_class
-
-        windows = getattr(get_model_class(self.architecture), "layer_windows", None)
-        if windows is not None:
-            return windows(self.hf_config)
-        return [self.sliding_window or 0] * self.num_layers
-
-    @property
-    def keeps_quantized(self) -> bool:
-        """Whether quantized weights stay quantized: where the quantized kernels run
-        (AVX2, FMA and F16C; AVX-512 BF16 for FP8; the library CPULLM_KERNEL_ISA names;
-        bfloat16 compute; see layers/quantization/kept.py and fp8.py)."""
-        from cpullm.model_executor.layers.ops import chosen_level
-
-        level = chosen_level()
-        needs = {"avx512_bf16"} if self.quantization == "fp8" else set()
-        runs = level is not None and needs <= level.needs
-        return self.dtype == torch.bfloat16 and not self.enforce_eager and runs
-
-    def weight_bytes(self) -> int:
-        """Memory the weights take once loaded: a GGUF file's tensors as kept (blocks stay
-        quantized), a quantized folder's files as they are, a folder's tensors in the
-        compute dtype."""
-        if self.quantization == "gguf" and self.source.gguf_path is not None:
-            from cpullm.model_executor.loader.gguf_loader import gguf_weight_bytes
-
-            return gguf_weight_bytes(self.source.gguf_path, self.dtype, self.keeps_quantized)
-        files = sorted(glob.glob(os.path.join(self.source.directory, "*.safetensors")))
-        if self.quantization is not None and self.keeps_quantized:
-            if self.quantization == "mxfp4":  # 4-bit codes kept as 8-bit ones, and scales
-                # of 2 bytes (quantization/mxfp4.py): twice the MXFP4 tensors' bytes
-                from cpullm.model_executor.loader.safetensors_loader import mxfp4_bytes
-
-                return sum(os.path.getsize(f) for f in files) + mxfp4_bytes(files)
-            return sum(os.path.getsize(f) for f in files)
-        if files and self.quantization in (None, "fp8", "mxfp4"):
-            # every tensor of the folder in the compute dtype, whatever the architecture
-            from cpullm.model_executor.loader.safetensors_loader import safetensors_numel
-
-            element = torch.tensor([], dtype=self.dtype).element_size()
-            return safetensors_numel(files) * element
-        # packed integers dequantized at load, or no weights to read: the Llama layout's count
-        c = self.hf_config
-        hidden, inter = c.hidden_size, c.intermediate_size
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter + 2 * hidden
-        embeddings = self.vocab_size * hidden * (1 if getattr(c, "tie_word_embeddings", False)
-                                                 else 2)
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        return (self.num_layers * per_layer + embeddings + hidden) * element
 
     def kv_heads_per_rank(self, tensor_parallel_size: int = 1) -> int:
         """The KV heads each tensor-parallel rank holds: its share, or one (replicated)

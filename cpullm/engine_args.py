@@ -254,7 +254,9 @@ class EngineArgs:
         dtype = resolve_dtype(self.dtype, model_dtype, topology.info, fast_fp16(zen_platform()))
         logger.info("dtype: %s (asked: %s)", str(dtype).removeprefix("torch."), self.dtype)
 
-        from cpullm.model_executor.models import get_model_class  # (models import the loader)
+        # (models import the loader)
+        from cpullm.model_executor.loader.sizes import resolve_model_config
+        from cpullm.model_executor.models import get_model_class
 
         architecture = ModelConfig(source, hf_config, dtype, 1).architecture
         model_class = get_model_class(architecture)
@@ -293,6 +295,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager, quantization=quantization, task=task,
             pooler_config=pooler_config, lm_head_quantization=self.lm_head_quantization,
             max_logprobs=self.max_logprobs)
+        model_config = resolve_model_config(model_config)
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs: must be -1 (the whole vocabulary) or at least 0, "
                              f"got {self.max_logprobs}")
@@ -332,7 +335,7 @@ class EngineArgs:
                                     longrope_edge=None if encoder else model_config.longrope_edge)
         groups = None if encoder else KVCacheGroups.plan(
             [0] * model_config.num_layers if self.disable_hybrid_kv_cache_manager
-            else model_config.layer_windows)
+            else list(model_config.layer_windows))
         num_blocks = 0 if groups is None else self._num_kv_blocks(model_config, parallel,
                                                                   scheduler, groups)
         cache = CacheConfig(self.block_size, num_blocks,
@@ -431,7 +434,7 @@ class EngineArgs:
                 f"{groups.windows.count(w)} with " + (f"a {w}-token window" if w
                                                       else "the whole context")
                 for w in dict.fromkeys(groups.windows)))
-        weights = model_config.weight_bytes() // parallel.world_size
+        weights = model_config.weight_bytes // parallel.world_size
         replicas = parallel.data_parallel_size * parallel.ranks_per_node  # ranks on this host
         available = _available_memory(parallel)
         if self.kv_cache_memory_bytes is not None:

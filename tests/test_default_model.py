@@ -69,7 +69,7 @@ def test_chat_answers_paris(level, monkeypatch):
         assert model.lm_head.ops.isa == level
         loaded = weight_bytes(model)
         assert loaded < 130e6  # the file is 95 MB; in bfloat16 the weights take ~270 MB
-        assert abs(llm.llm_engine.config.model.weight_bytes() - loaded) < 0.1 * loaded
+        assert abs(llm.llm_engine.config.model.weight_bytes - loaded) < 0.1 * loaded
         assert sum(isinstance(m, QuantizedWeight) for m in model.modules()) == 4 * 30 + 1
         amx = model.lm_head.ops.quant_gemm_tiled_amx is not None
         output = llm.chat(QUESTION if amx else QUESTION_ONE_SENTENCE,

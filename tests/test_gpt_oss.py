@@ -107,7 +107,7 @@ def test_mxfp4_checkpoint_equals_transformers_on_its_values(tmp_path, tiny_model
     assert [o.outputs[0].token_ids for o in got] == expected
     # the memory estimate (KV cache sizing) counts the experts as loaded (the float32
     # folder's values), not as packed
-    assert llm.llm_engine.config.model.weight_bytes() == 4 * sum(
+    assert llm.llm_engine.config.model.weight_bytes == 4 * sum(
         t.numel() for t in tensors.values())
 
 
@@ -141,7 +141,7 @@ def test_mxfp4_experts_kept_quantized_in_bfloat16(tmp_path, tiny_model):
 
     files = [str(f) for f in packed.glob("*.safetensors")]
     packed_bytes = mxfp4_bytes(files)
-    assert llm.llm_engine.config.model.weight_bytes() == \
+    assert llm.llm_engine.config.model.weight_bytes == \
         sum(f.stat().st_size for f in packed.glob("*.safetensors")) + packed_bytes
     assert abs(held - 2 * packed_bytes) <= 0.15 * 2 * packed_bytes, (held, packed_bytes)
 

@@ -58,7 +58,7 @@ def test_weight_memory_counts_every_expert(tiny_model):
     config = EngineArgs(model=folder, dtype="float32", max_model_len=256,
                         kv_cache_memory_bytes=1 << 24).create_engine_config()
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    assert config.model.weight_bytes() == 4 * sum(p.numel() for p in reference.parameters())
+    assert config.model.weight_bytes == 4 * sum(p.numel() for p in reference.parameters())
 
 
 @pytest.mark.parametrize("hidden, expert_size, num_experts, tokens",

@@ -266,7 +266,7 @@ def windows_by_layer_type(config: Any) -> list[int]:
 class LlamaForCausalLM(nn.Module):
     decoder_layer = LlamaDecoderLayer
     # per layer sliding windows, for families whose layers differ (None: the model's
-    # ``sliding_window`` in every layer); ModelConfig.layer_windows reads it
+    # ``sliding_window`` in every layer); loader/sizes.py reads it into ModelConfig
     layer_windows: Callable[[Any], list[int]] | None = None
     # checkpoint name -> (merged parameter, shard id)
     stacked_params = {
