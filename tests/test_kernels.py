@@ -385,10 +385,10 @@ def test_bf16_prompt_attention_matches_sdpa(window, shapes, fused, heads, kv_hea
     each compiled bfloat16 prompt path against SDPA over the same cache."""
     from types import SimpleNamespace
 
-    from cpullm.engine.sched_output import ScheduledRequest
     from cpullm.model_executor.layers.attention import PagedAttention
     from cpullm.sampling_params import SamplingParams
     from cpullm.worker.model_runner import ModelRunner
+    from cpullm.worker.request_state import RequestState
 
     torch.manual_seed(0)
     block, blocks = 16, 64
@@ -397,10 +397,10 @@ def test_bf16_prompt_attention_matches_sdpa(window, shapes, fused, heads, kv_hea
     items, used = [], 0
     for done, new in shapes:
         count = -(-(done + new) // block)
-        items.append(ScheduledRequest(
-            request_id=str(len(items)), token_ids=[1] * new, num_computed_tokens=done,
-            block_tables=[tables[used:used + count]], sample=True,
-            sampling_params=SamplingParams(), prompt_token_ids=[], output_token_ids=[]))
+        item = RequestState(str(len(items)), [1] * (done + new), SamplingParams())
+        item.num_computed_tokens, item.num_tokens = done, new
+        item.block_tables = [tables[used:used + count]]
+        items.append(item)
         used += count
     runner = SimpleNamespace(block_size=block, sliding_window=window or None,
                              long_rope_offset=None)

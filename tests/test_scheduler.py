@@ -25,7 +25,7 @@ def run_step(scheduler: Scheduler) -> dict[str, int]:
     output = scheduler.schedule()
     sampled = {item.request_id: 7 for item in output.scheduled if item.sample}
     scheduler.update_from_output(output, sampled)
-    return {item.request_id: len(item.token_ids) for item in output.scheduled}
+    return {item.request_id: item.num_tokens for item in output.scheduled}
 
 
 def test_chunked_prefill_and_mixed_steps():
@@ -72,3 +72,75 @@ def test_finish_and_abort_free_blocks():
     assert scheduler.kv_cache_manager.num_free_blocks == 16
     assert scheduler.schedule().finished_request_ids == {"a", "b"}
     assert not scheduler.has_unfinished_requests()
+
+
+def test_runner_state_follows_the_scheduler():
+    """The runner holds what the steps sent (each prompt once, then the tokens sampled and
+    the blocks changed): through chunked prefill, prefix hits, sliding groups that drop
+    blocks, preemptions, aborts and two steps in flight, its view of every scheduled
+    request equals the scheduler's, and it drops each request once no step holds it."""
+    import random
+
+    from cpullm.config import KVCacheGroups
+    from cpullm.worker.request_state import RequestStates
+
+    rng = random.Random(3)
+    groups = KVCacheGroups.plan([0, 40, 0, 40])  # a full group and a sliding one
+    scheduler = Scheduler(SchedulerConfig(6, 96, 1024),
+                          CacheConfig(block_size=32, num_blocks=24, groups=groups))
+    states = RequestStates()
+    shared = [rng.randrange(1, 500) for _ in range(70)]  # a prefix for the cache to find
+    in_flight, added, rewrites = [], 0, 0
+    for _ in range(2000):
+        if added < 40 and rng.random() < 0.3:
+            prompt = (shared if rng.random() < 0.5 else []) + \
+                [rng.randrange(1, 500) for _ in range(rng.randrange(1, 120))]
+            scheduler.add_request(Request(str(added), prompt, SamplingParams(
+                max_tokens=rng.randrange(1, 60), ignore_eos=True), {0}, 1024))
+            added += 1
+        if scheduler.requests and rng.random() < 0.05:
+            scheduler.finish_requests([rng.choice(list(scheduler.requests))],
+                                      RequestStatus.FINISHED_ABORTED)
+        output = scheduler.schedule(max_seqs=3)
+        for item in states.update(output):
+            request = scheduler.requests[item.request_id]
+            start = request.num_computed_tokens
+            assert item.num_computed_tokens == start
+            assert item.token_ids == request.all_token_ids[start:start + item.num_tokens]
+            assert item.block_tables == request.block_tables
+            assert item.output_token_ids == request.output_token_ids
+            assert item.prompt_token_ids == request.prompt_token_ids
+        null = scheduler.kv_cache_manager.null_block
+        rewrites += sum(null in ids for item in output.scheduled for ids in item.new_block_ids)
+        in_flight.append(output)
+        held = {item.request_id for o in in_flight for item in o.scheduled}
+        assert set(states._states) <= set(scheduler.requests) | held
+        if len(in_flight) == 2 or not output.scheduled:
+            done = in_flight.pop(0)
+            scheduler.update_from_output(
+                done, {item.request_id: rng.randrange(1, 500) for item in done.scheduled
+                       if item.sample})
+        if added == 40 and not scheduler.has_unfinished_requests() and not in_flight:
+            break
+    assert added == 40 and not scheduler.has_unfinished_requests()
+    assert scheduler.num_preemptions > 0 and scheduler.kv_cache_manager.num_hits > 0
+    assert rewrites > 0  # steps that resent a sliding table's entries it dropped
+    states.update(scheduler.schedule())
+    assert len(states) == 0
+
+
+def test_step_message_does_not_grow_with_the_context():
+    """A decode step sends each request's new token and new blocks, not its history."""
+    import pickle
+
+    sizes = []
+    for length in (10, 900):
+        scheduler = make_scheduler(num_blocks=64)
+        add(scheduler, "a", length)
+        while scheduler.requests["a"].num_computed_tokens < length:
+            run_step(scheduler)
+        run_step(scheduler)  # a decode step past the prompt, from the first block's middle
+        output = scheduler.schedule()
+        assert [item.num_tokens for item in output.scheduled] == [1]
+        sizes.append(len(pickle.dumps(output)))
+    assert sizes[1] <= sizes[0] + 8, sizes

@@ -190,6 +190,7 @@ class KVCacheManager:
             for i in indices:
                 pool.free(table[i])
                 table[i] = null
+            request.num_blocks_sent = min(request.num_blocks_sent, indices.start)
         for group, table in enumerate(request_tables):
             if cached:
                 for block in table:
@@ -219,6 +220,7 @@ class KVCacheManager:
                 if block != self.null_block:
                     self.pool.free(block)
         request.block_tables = []
+        request.num_blocks_sent = 0
 
 
 PREFIX_CACHING_HASH_ALGOS = ("sha256",)  # --prefix-caching-hash-algo

@@ -37,7 +37,7 @@ class Request:
                  "max_model_len", "arrival_time", "output_token_ids", "all_token_ids",
                  "num_computed_tokens", "block_tables", "block_hashes", "long_rope", "status",
                  "stop_reason", "num_cached_tokens", "scheduled_time", "first_token_time",
-                 "last_token_time", "cache_salt")
+                 "last_token_time", "cache_salt", "num_tokens_sent", "num_blocks_sent")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_ids: set[int],
@@ -60,6 +60,12 @@ class Request:
         # Per KV cache group (config.KVCacheGroups): the request's blocks, position p in
         # block p // block_size of each.
         self.block_tables: list[list[int]] = []
+        # What the model runner holds of the request (engine/sched_output.py): its tokens
+        # up to num_tokens_sent (0: it has not seen the request), and of each block table
+        # the entries before num_blocks_sent (the KV cache manager lowers it when it
+        # rewrites one).
+        self.num_tokens_sent = 0
+        self.num_blocks_sent = 0
         # LongRoPE: past the pretraining length the KV is (re)computed on the long factors
         self.long_rope = False
         # Chained digests of the full blocks of all_token_ids, for prefix caching; the first

@@ -2,7 +2,13 @@
 a SchedulerOutput goes down (which requests run this step, which tokens each), a
 ModelRunnerOutput comes back (the sampled token of each request that sampled, and its
 logprobs; or, for a pooling model, each finished input's pooled output). Plain values
-only, so the runner can move into another process behind it."""
+only, so the runner can move into another process behind it.
+
+A request's prompt and parameters go down once, in the first step that schedules it
+(``NewRequestData``); every step after carries only what changed (``ScheduledRequest``:
+the tokens sampled since, the blocks added), and the runner keeps the rest
+(cpullm/worker/request_state.py), as vLLM v1's ``NewRequestData`` / ``CachedRequestData``
+do. So a step's message grows with the number of requests, not with their lengths."""
 
 from __future__ import annotations
 
@@ -15,17 +21,28 @@ from cpullm.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a step, as the model runner needs it."""
+class NewRequestData:
+    """A request the runner has not seen: sent with the first step that schedules it, and
+    kept by the runner until the request is among a step's ``finished_request_ids``."""
 
     request_id: str
-    token_ids: list[int]  # the tokens to compute: all_token_ids[num_computed_tokens:][:n]
-    num_computed_tokens: int  # position of token_ids[0]
-    block_tables: list[list[int]]  # per KV cache group
-    sample: bool  # this step reaches the request's last token, so it samples the next one
-    sampling_params: SamplingParams | PoolingParams  # PoolingParams: a pooling request
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    sampling_params: SamplingParams | PoolingParams  # PoolingParams: a pooling request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step, as a change to what the runner already holds."""
+
+    request_id: str
+    num_computed_tokens: int  # position of the first token to compute
+    num_tokens: int  # tokens to compute: positions num_computed_tokens and on
+    new_token_ids: list[int]  # output tokens sampled since the request's previous step
+    # The block tables (one per KV cache group) from entry ``block_start`` on; the runner's
+    # entries before it stand.
+    block_start: int
+    new_block_ids: list[list[int]]
+    sample: bool  # this step reaches the request's last token, so it samples the next one
     long_rope: bool = False  # LongRoPE: this request's positions take the long factors
 
 
@@ -35,7 +52,10 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest]
     num_scheduled_tokens: int
-    # Requests finished since the previous step: the runner drops their state (generators).
+    # Requests scheduled for the first time since the runner last had them.
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    # Requests finished since the previous step, that no step in flight holds: the runner
+    # drops their state.
     finished_request_ids: set[str] = field(default_factory=set)
 
 

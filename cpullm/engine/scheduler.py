@@ -27,7 +27,7 @@ from collections.abc import Collection
 from cpullm.config import CacheConfig, SchedulerConfig
 from cpullm.engine.kv_cache_manager import KVCacheManager
 from cpullm.engine.request import Request, RequestStatus
-from cpullm.engine.sched_output import ScheduledRequest, SchedulerOutput
+from cpullm.engine.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from cpullm.pooling_params import PoolingParams
 
 
@@ -110,10 +110,13 @@ class Scheduler:
             scheduled.append((request, num_new))
             budget -= num_new
 
+        new_requests = [NewRequestData(request.request_id, request.prompt_token_ids,
+                                       request.sampling_params)
+                        for request, _ in scheduled if request.num_tokens_sent == 0]
         output = SchedulerOutput(
             scheduled=[self._describe(request, n) for request, n in scheduled],
             num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
-            finished_request_ids=self.finished_request_ids)
+            new_requests=new_requests, finished_request_ids=self.finished_request_ids)
         self.finished_request_ids = set()
         self.in_flight.update(request.request_id for request, _ in scheduled)
         return output
@@ -136,16 +139,21 @@ class Scheduler:
 
     @staticmethod
     def _describe(request: Request, num_new: int) -> ScheduledRequest:
+        """The step's share of the request, as a change to what the runner holds (its
+        prompt is sent whole the first time, as NewRequestData)."""
         start = request.num_computed_tokens
+        sent = request.num_tokens_sent or request.num_prompt_tokens
+        request.num_tokens_sent = request.num_tokens
+        first_block = request.num_blocks_sent
+        request.num_blocks_sent = len(request.block_table)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:start + num_new],
             num_computed_tokens=start,
-            block_tables=request.block_tables,
+            num_tokens=num_new,
+            new_token_ids=request.all_token_ids[sent:],
+            block_start=first_block,
+            new_block_ids=[table[first_block:] for table in request.block_tables],
             sample=start + num_new == request.num_tokens,
-            sampling_params=request.sampling_params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
             long_rope=request.long_rope)
 
     def _preempt(self, request: Request) -> None:
@@ -168,6 +176,7 @@ class Scheduler:
             ended = self._free_on_return.pop(item.request_id, None)
             if ended is not None:
                 self.kv_cache_manager.free(ended)
+                self.finished_request_ids.add(item.request_id)
             request = self.requests.get(item.request_id)
             if request is None:
                 continue  # finished (aborted) while its step was in flight
@@ -177,7 +186,7 @@ class Scheduler:
                 updated.append(request)
                 continue
             before = request.num_computed_tokens
-            request.num_computed_tokens = before + len(item.token_ids)
+            request.num_computed_tokens = before + item.num_tokens
             if item.request_id in pooled:
                 request.status = RequestStatus.FINISHED_STOPPED
                 self._finish(request)
@@ -208,9 +217,9 @@ class Scheduler:
         assert request.status.finished
         if request in self.running:
             self.running.remove(request)
-        if request.request_id in self.in_flight:
+        if request.request_id in self.in_flight:  # (the runner drops it when that is back)
             self._free_on_return[request.request_id] = request
         else:
             self.kv_cache_manager.free(request)
+            self.finished_request_ids.add(request.request_id)
         del self.requests[request.request_id]
-        self.finished_request_ids.add(request.request_id)

@@ -19,12 +19,7 @@ import torch
 
 from cpullm import distributed
 from cpullm.config import EngineConfig, KVCacheGroups
-from cpullm.engine.sched_output import (
-    LogprobsLists,
-    ModelRunnerOutput,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from cpullm.engine.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from cpullm.logger import init_logger
 from cpullm.model_executor.layers.attention import AttentionMetadata, PagedAttention
 from cpullm.model_executor.layers.ops import load_ops
@@ -38,6 +33,7 @@ from cpullm.sampling_params import SamplingParams
 from cpullm.structured_output import GuidedDecoding
 from cpullm.transformers_utils import load_tokenizer
 from cpullm.utils import cdiv
+from cpullm.worker.request_state import RequestState, RequestStates
 from cpullm.worker.sampler import Sampler, SamplingBatch, compute_logprobs
 
 logger = init_logger(__name__)
@@ -81,7 +77,7 @@ def _reserve(tensors: list[torch.Tensor]) -> None:
 
 class RunnerBase:
     """What every model runner does around its model: memory on the NUMA node of its
-    compute threads, and those threads pinned to the rank's CPUs."""
+    compute threads, those threads pinned to the rank's CPUs, and the requests' state."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -93,6 +89,7 @@ class RunnerBase:
         # per thread that steps the engine: whether its pool is pinned, its affinity before,
         # and a compute lane's generator (executor/uniproc.py)
         self._bound = threading.local()
+        self.requests = RequestStates()  # what the steps' SchedulerOutputs sent so far
 
     def _binding(self) -> tuple[CpuTopology, list[int]] | None:
         """The topology and the CPUs this rank's compute threads are pinned to; None when
@@ -209,10 +206,11 @@ class ModelRunner(RunnerBase):
             self.generators.pop(request_id, None)
             self.guided.drop(request_id)
             self._pooling.pop(request_id, None)
-        if not scheduler_output.scheduled:
+        items = self.requests.update(scheduler_output)
+        if not items:
             return ModelRunnerOutput()
         # Single-token requests first: attention runs them on its decode path.
-        items = sorted(scheduler_output.scheduled, key=lambda r: len(r.token_ids) > 1)
+        items.sort(key=lambda r: r.num_tokens > 1)
         input_ids, positions, meta, query_ends = self._prepare_inputs(items)
         layout = self.layout
         intermediate = None
@@ -257,14 +255,14 @@ class ModelRunner(RunnerBase):
                 chunk.float(), torch.tensor(targets), item.sampling_params.prompt_logprobs or 0)
         return output
 
-    def _pool(self, items: list[ScheduledRequest], hidden: torch.Tensor,
+    def _pool(self, items: list[RequestState], hidden: torch.Tensor,
               query_ends: np.ndarray, output: ModelRunnerOutput) -> None:
         """A decoder's embedding requests (``--task embed`` on the Llama layout): each
         chunk's final hidden states folded into its request's pooling state (a sum and a
         count, the first token's), and the embedding when the last chunk is computed."""
         pooler = self.config.model.pooler_config
         for item, end in zip(items, query_ends, strict=True):
-            chunk = hidden[int(end) - len(item.token_ids):int(end)].float()
+            chunk = hidden[int(end) - item.num_tokens:int(end)].float()
             if item.num_computed_tokens == 0:  # (from the start again after a preemption)
                 self._pooling[item.request_id] = (torch.zeros(chunk.shape[1]), 0, chunk[0])
             total, count, first = self._pooling[item.request_id]
@@ -279,7 +277,7 @@ class ModelRunner(RunnerBase):
                 vector[None], [pooler.normalize if params.normalize is None
                                else params.normalize], [params.dimensions])[0]
 
-    def _sample(self, sampled: list[ScheduledRequest], logits: torch.Tensor,
+    def _sample(self, sampled: list[RequestState], logits: torch.Tensor,
                 output: ModelRunnerOutput) -> None:
         """The next token (and logprobs) of every sampling request, in one batch; if the
         batch raises, each request alone, so that one whose sampling raises fails by
@@ -328,10 +326,10 @@ class ModelRunner(RunnerBase):
                         [logprobs.token_ids[row][:k]], [logprobs.logprobs[row][:k]],
                         [logprobs.ranks[row]])
 
-    def _prepare_inputs(self, items: list[ScheduledRequest]
+    def _prepare_inputs(self, items: list[RequestState]
                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
         bs = self.block_size
-        query_lens = np.array([len(r.token_ids) for r in items], dtype=np.int64)
+        query_lens = np.array([r.num_tokens for r in items], dtype=np.int64)
         starts = np.array([r.num_computed_tokens for r in items], dtype=np.int64)
         query_ends = np.cumsum(query_lens)
         num_tokens = int(query_ends[-1])
@@ -387,8 +385,8 @@ class ModelRunner(RunnerBase):
         return torch.from_numpy(input_ids), torch.from_numpy(rope_positions), meta, query_ends
 
     @staticmethod
-    def _prompt_logprob_rows(items: list[ScheduledRequest], query_ends: np.ndarray
-                             ) -> list[tuple[ScheduledRequest, list[int], list[int]]]:
+    def _prompt_logprob_rows(items: list[RequestState], query_ends: np.ndarray
+                             ) -> list[tuple[RequestState, list[int], list[int]]]:
         """(request, flat token indices, next prompt tokens) for the prompt positions whose
         logprobs were asked: position p predicts prompt token p + 1."""
         rows = []
@@ -396,15 +394,15 @@ class ModelRunner(RunnerBase):
             if getattr(item.sampling_params, "prompt_logprobs", None) is None:
                 continue  # (none asked, or a pooling request)
             first = item.num_computed_tokens
-            last = min(first + len(item.token_ids), len(item.prompt_token_ids) - 1)
+            last = min(first + item.num_tokens, len(item.prompt_token_ids) - 1)
             if first >= last:
                 continue
-            flat_start = int(end) - len(item.token_ids)
+            flat_start = int(end) - item.num_tokens
             rows.append((item, list(range(flat_start, flat_start + last - first)),
                          item.prompt_token_ids[first + 1:last + 1]))
         return rows
 
-    def _sampling_batch(self, items: list[ScheduledRequest]) -> SamplingBatch:
+    def _sampling_batch(self, items: list[RequestState]) -> SamplingBatch:
         generators: list[torch.Generator | None] = []
         for item in items:
             seed = item.sampling_params.seed

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from cpullm.config import EngineConfig
-from cpullm.engine.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from cpullm.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from cpullm.logger import init_logger
 from cpullm.model_executor.layers.ops import load_ops
 from cpullm.model_executor.layers.pooler import finish_embeddings, pool
@@ -24,6 +24,7 @@ from cpullm.model_executor.models.bert import EncoderBatch
 from cpullm.pooling_params import PoolingParams
 from cpullm.transformers_utils import load_tokenizer
 from cpullm.worker.model_runner import RunnerBase
+from cpullm.worker.request_state import RequestState
 
 logger = init_logger(__name__)
 
@@ -44,11 +45,11 @@ class PoolingRunner(RunnerBase):
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.bind_threads()
         output = ModelRunnerOutput()
-        items = scheduler_output.scheduled
+        items = self.requests.update(scheduler_output)
         if not items:
             return output
         assert all(r.num_computed_tokens == 0 and r.sample for r in items)
-        lengths = torch.tensor([len(r.token_ids) for r in items])
+        lengths = torch.tensor([r.num_tokens for r in items])
         input_ids = torch.from_numpy(np.fromiter(
             (t for r in items for t in r.token_ids), dtype=np.int64, count=int(lengths.sum())))
         batch = EncoderBatch(lengths)
@@ -79,7 +80,7 @@ class PoolingRunner(RunnerBase):
         model = self.config.model
         return load_tokenizer(model.source, model.tokenizer, model.hf_config).sep_token_id
 
-    def _token_types(self, items: list[ScheduledRequest], input_ids: torch.Tensor,
+    def _token_types(self, items: list[RequestState], input_ids: torch.Tensor,
                      batch: EncoderBatch) -> torch.Tensor:
         """0 for every token, but 1 after the first [SEP] of an input to classify or score
         (BERT's second segment of a pair; a single text's one [SEP] ends it). An
