@@ -1,6 +1,7 @@
-"""A decode-only step through the decoder layers' decode steps (the kernels called in
-forward's order, without the module calls between them) generates exactly what the layers'
-forward generates: the same kernels with the same arguments, so the same bits."""
+"""A decode-only step through the decoder layers' decode steps (each layer's forward over
+its parts' kernels, without the module calls between them; layers/decode_step.py)
+generates exactly what the layers' forward generates: the same kernels with the same
+arguments, so the same bits."""
 
 from __future__ import annotations
 
@@ -46,25 +47,21 @@ def _assert_same(a: list[Any], b: list[Any]) -> None:
 
 
 @pytest.mark.usefixtures("kernels")
-@pytest.mark.parametrize("arch, runs", [("llama", True), ("qwen2", True),
-                                        ("llama3-rope-tied", True), ("phi3", True),
-                                        ("granite", True), ("qwen3", True),
-                                        ("mistral", True), ("glm", True),
-                                        ("glm4", False), ("gemma", True),
-                                        ("gemma2", True), ("gemma3", True),
-                                        ("qwen3_moe", False)])
-def test_decode_steps_generate_what_forward_does(tiny_model, arch, runs, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3-rope-tied", "phi3", "granite",
+                                  "qwen3", "mistral", "glm", "glm4", "gemma", "gemma2",
+                                  "gemma3", "qwen3_moe", "gpt_oss"])
+def test_decode_steps_generate_what_forward_does(tiny_model, arch, monkeypatch):
     """bfloat16 folders: Llama, Qwen2 (q, k, v biases), a tied head with llama3 rope, Phi-3
     (partial rotary, a sliding window shorter than the longest prompt), Granite (a residual
-    multiplier), Qwen3 (q/k norms), Mistral, GLM (q and k reordered) and Gemma 1-3 (their
-    attention's decode function in their own layers: Gemma 2's soft-cap and windows, Gemma
-    3's q/k norms and rotary per layer kind) take the decode steps; GLM-4's own layer and a
-    mixture's experts keep forward."""
+    multiplier), Qwen3 (q/k norms), Mistral, GLM (q and k reordered), GLM-4 (its own
+    norms), Gemma 1-3 (Gemma 2's soft-cap and windows, Gemma 3's q/k norms and rotary per
+    layer kind), a mixture of experts (its forward, bound, inside the step) and gpt-oss
+    (attention sinks) take the decode steps: each layer's forward over its parts' kernels."""
     llm = LLM(model=str(tiny_model(arch)), dtype="bfloat16", max_model_len=256,
               kv_cache_memory_bytes=1 << 24)
     with_steps = _generate(llm, True, monkeypatch)
     steps, limit = _layers(llm).__dict__.get("decode_plan", ([], 0))
-    assert (len(steps) == len(_layers(llm)) and limit > 1) if runs else steps == []
+    assert len(steps) == len(_layers(llm)) and limit > 1
     _assert_same(with_steps, _generate(llm, False, monkeypatch))
 
 

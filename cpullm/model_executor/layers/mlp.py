@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -14,6 +16,7 @@ class GatedMLP(nn.Module):
     """The Llama family's feed-forward block: down(silu(gate(x)) * up(x)), gate and up
     merged into one projection."""
 
+    decode_view = True  # where step_fn has no kernels: forward only calls its parts
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
                  dtype: torch.dtype, ops: KernelTable | None,
@@ -33,3 +36,14 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))
+
+    def step_fn(self, dtype: torch.dtype
+                ) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+        """forward in a decode step (layers/decode_step.py): the two products' kernels."""
+        if type(self).forward is not GatedMLP.forward:
+            return None
+        made = [self.gate_up_proj.step_fn(dtype), self.down_proj.step_fn(dtype)]
+        if made[0] is None or made[1] is None:
+            return None
+        (gate_up, gate_up_rows), (down, down_rows) = made
+        return (lambda x: down(gate_up(x))), min(gate_up_rows, down_rows)

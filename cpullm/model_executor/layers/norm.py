@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
+from cpullm.model_executor.layers.decode_step import UNLIMITED
 from cpullm.model_executor.layers.ops import KernelTable
 
 
@@ -39,3 +43,19 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def step_fn(self, dtype: torch.dtype) -> tuple[Callable[..., Any], int] | None:
+        """forward in a decode step (layers/decode_step.py), whose residual is contiguous:
+        with a residual, the kernel's in-place call without forward's other checks."""
+        if (type(self).forward is not RMSNorm.forward or self.kernel is None
+                or dtype != torch.bfloat16 or self.weight.dtype != dtype):
+            return None
+        kernel, weight, eps, forward = self.kernel, self.weight, self.eps, self.forward
+
+        def norm(x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+            if residual is None or not x.is_contiguous():  # (a head's q or k: a view)
+                return forward(x, residual)
+            kernel(x, x, residual, weight, eps)
+            return x, residual
+
+        return norm, UNLIMITED

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from cpullm import distributed
+from cpullm.model_executor.layers.decode_step import decode_step
 
 
 class OtherStage(nn.Module):
@@ -53,7 +54,7 @@ def run_layers(layers: nn.ModuleList, positions: torch.Tensor, hidden: torch.Ten
                meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """This stage's decoder layers over (hidden, residual); ``kv_caches``: one per layer
     of the stage. A decode-only step runs the layers' decode steps where every layer has
-    one (``LlamaDecoderLayer.decode_step``)."""
+    one (layers/decode_step.py)."""
     held = stage_layers(len(layers))
     steps = _decode_steps(layers, held, hidden, residual, kv_caches, meta)
     if steps is not None:
@@ -83,7 +84,7 @@ def _decode_steps(layers: nn.ModuleList, held: range, hidden: torch.Tensor,
         return None
     plan = layers.__dict__.get("decode_plan")
     if plan is None:
-        made = [getattr(layers[index], "decode_step", lambda: None)() for index in held]
+        made = [decode_step(layers[index]) for index in held]
         plan = (([step for step, _ in made], min(limit for _, limit in made))
                 if made and all(m is not None for m in made) else ([], 0))
         layers.decode_plan = plan

@@ -14,8 +14,7 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -29,6 +28,7 @@ from cpullm.model_executor.layers.norm import RMSNorm
 from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization.base import QuantizationConfig
 from cpullm.model_executor.layers.rotary import RotaryEmbedding
+from cpullm.model_executor.layers.self_attention import LlamaAttention
 from cpullm.model_executor.layers.stage import (
     StagedDecoder,
     build_layers,
@@ -37,7 +37,6 @@ from cpullm.model_executor.layers.stage import (
 )
 from cpullm.model_executor.loader.weights import load_named_weights
 from cpullm.model_executor.models.llama import (
-    LlamaAttention,
     LlamaForCausalLM,
     add_and_norm,
     windows_by_layer_type,
@@ -60,6 +59,8 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class GemmaMLP(nn.Module):
+    decode_view = True  # forward only calls its parts (layers/decode_step.py)
+
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
                  quant_config: QuantizationConfig | None) -> None:
         super().__init__()
@@ -74,6 +75,8 @@ class GemmaMLP(nn.Module):
 
 
 class GemmaDecoderLayer(nn.Module):
+    decode_view = True  # forward only calls its parts (layers/decode_step.py)
+
     def __init__(self, config: Any, rotary: RotaryEmbedding, window: int | None,
                  version: int, dtype: torch.dtype, ops: KernelTable | None,
                  quant_config: QuantizationConfig | None) -> None:
@@ -96,24 +99,8 @@ class GemmaDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._run(self.self_attn, positions, hidden, residual, kv_cache, meta)
-
-    def decode_step(self) -> tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]], int] | None:
-        """forward for a decode-only step in bfloat16 with the attention's decode function
-        (``LlamaAttention.decode_fn``) in place of its module; the norms and the GeGLU as
-        forward calls them. None where the attention has none."""
-        made = self.self_attn.decode_fn() if type(self).forward is GemmaDecoderLayer.forward \
-            else None
-        if made is None:
-            return None
-        attend, limit = made
-        return functools.partial(self._run, attend), limit
-
-    def _run(self, attend: Callable[..., torch.Tensor], positions: torch.Tensor,
-             hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor,
-             meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
-        hidden = attend(positions, hidden, kv_cache, meta)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
         if not self.sandwich:
             hidden, residual = self.post_attention_layernorm(hidden, residual)
             return self.mlp(hidden), residual

@@ -17,15 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from cpullm import distributed
-from cpullm.model_executor.layers.attention import AttentionMetadata, PagedAttention
+from cpullm.model_executor.layers.attention import AttentionMetadata
 from cpullm.model_executor.layers.embedding import LMHead, VocabEmbedding
-from cpullm.model_executor.layers.linear import QKVLinear, RowParallelLinear
 from cpullm.model_executor.layers.mlp import GatedMLP
 from cpullm.model_executor.layers.norm import RMSNorm
 from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization.base import QuantizationConfig
 from cpullm.model_executor.layers.rotary import RotaryEmbedding
+from cpullm.model_executor.layers.self_attention import LlamaAttention
 from cpullm.model_executor.layers.stage import (
     StagedDecoder,
     build_layers,
@@ -33,116 +32,6 @@ from cpullm.model_executor.layers.stage import (
     last_stage_only,
 )
 from cpullm.model_executor.loader.weights import load_named_weights
-
-# a decoder layer's decode step: (positions, hidden, residual, kv_cache, meta) -> (hidden,
-# residual), as LlamaDecoderLayer.forward
-DecodeStep = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", torch.Tensor,
-                       AttentionMetadata], tuple[torch.Tensor, torch.Tensor]]
-
-
-class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool, dtype: torch.dtype, ops: KernelTable | None,
-                 quant_config: QuantizationConfig | None, scale: float | None = None,
-                 window: int | None = None, norm: type[RMSNorm] = RMSNorm,
-                 softcap: float = 0.0, sinks: bool = False) -> None:
-        """``scale``: of the attention scores (default: Granite's multiplier, else 1 / sqrt
-        of the head size); ``window``: this layer's own sliding window (0: none; default:
-        the model's); ``norm``: the q/k norm's class; ``softcap``: the scores' soft-cap;
-        ``sinks``: a learned attention-sink logit per head (gpt-oss's ``sinks``)."""
-        super().__init__()
-        num_heads = config.num_attention_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, num_heads,
-                                  getattr(config, "num_key_value_heads", None) or num_heads,
-                                  bias=qkv_bias, dtype=dtype, quant_config=quant_config)
-        # this rank's heads (all of them without tensor parallelism)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size,
-                                        bias=o_bias, dtype=dtype, quant_config=quant_config)
-        if qk_norm:
-            self.q_norm = norm(self.head_dim, config.rms_norm_eps, dtype, ops)
-            self.k_norm = norm(self.head_dim, config.rms_norm_eps, dtype, ops)
-        self.qk_norm = qk_norm
-        self.rotary = rotary
-        # a reorder of each head's dims, applied to q and k before the rotary (GLM's
-        # interleaved rotary where the checkpoint's rows cannot be reordered at load)
-        self.qk_order: torch.Tensor | None = None
-        if scale is None:
-            scale = getattr(config, "attention_multiplier", None) or self.head_dim ** -0.5
-        self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_kv_heads,
-                                   scale=scale, ops=ops, window=window, softcap=softcap)
-        self.sinks: nn.Parameter | None = None
-        if sinks:  # float32 whatever the dtype, as the softmax they join; this rank's heads
-            self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
-            first = distributed.tp_rank() * self.num_heads
-
-            def load_sinks(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
-                if loaded.shape != (num_heads,):
-                    raise ValueError(f"checkpoint {tuple(loaded.shape)}, model ({num_heads},)")
-                param.data.copy_(loaded[first:first + self.num_heads])
-
-            self.sinks.weight_loader = load_sinks  # type: ignore[attr-defined]
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.qk_order is not None:
-            q, k = q[..., self.qk_order], k[..., self.qk_order]
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, meta, self.sinks)  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(out.view(-1, self.q_size))
-
-    def decode_fn(self) -> tuple[Callable[..., torch.Tensor], int] | None:
-        """forward as one function (positions, hidden, kv_cache, meta) of a decode-only step
-        in bfloat16 (``LlamaDecoderLayer.decode_step``: the tensors as it takes them), and
-        the most tokens it holds for: the projections' and the attention's kernels with
-        forward's arguments (the q/k norms and the reorder of q and k as forward calls
-        them). None where forward does more, or has no compiled kernels."""
-        attn = self.attn
-        if (type(self).forward is not LlamaAttention.forward
-                or type(attn).forward is not PagedAttention.forward
-                or type(self.rotary).forward is not RotaryEmbedding.forward
-                or self.rotary.ops is None or attn.decode_attention is None or attn.ops is None):
-            return None
-        products = [self.qkv_proj.step_fn(torch.bfloat16), self.o_proj.step_fn(torch.bfloat16)]
-        if any(product is None for product in products):
-            return None
-        (qkv, _), (o_proj, _) = products
-        q_size, sizes = self.q_size, [self.q_size, self.kv_size, self.kv_size]
-        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        flat = (-1, kv_heads, head_dim)
-        rotate, cos, sin = self.rotary.ops.rotary_embedding, self.rotary.cos, self.rotary.sin
-        cache_kv, decode = attn.ops.cache_kv, attn.decode_attention
-        scale, softcap, window, sinks = attn.scale, attn.softcap, attn.window, self.sinks
-        qk_norm, order = self.qk_norm, self.qk_order
-
-        def attend(positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-                   meta: AttentionMetadata) -> torch.Tensor:
-            q, k, v = qkv(hidden).split(sizes, dim=-1)
-            q, k = q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim)
-            if qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            if order is not None:
-                q, k = q[..., order], k[..., order]
-            rotate(positions, q, k, cos, sin)
-            key_cache, value_cache = kv_cache[0], kv_cache[1]
-            group = attn.kv_group
-            cache_kv(key_cache.view(flat), value_cache.view(flat), k,
-                     v.view(-1, kv_heads, head_dim), meta.slot_mapping[group])
-            out = torch.empty_like(q)
-            decode(out, q, key_cache, value_cache, meta.decode_block_tables[group],
-                   meta.decode_seq_lens, scale, meta.sliding_window if window is None else window,
-                   softcap, sinks)
-            return o_proj(out.view(-1, q_size))
-
-        return attend, min(limit for _, limit in products)
 
 
 def add_and_norm(norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -155,6 +44,8 @@ def add_and_norm(norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | N
 
 
 class LlamaDecoderLayer(nn.Module):
+    decode_view = True  # forward only calls its parts (layers/decode_step.py)
+
     def __init__(self, config: Any, rotary: RotaryEmbedding, flags: dict[str, bool],
                  dtype: torch.dtype, ops: KernelTable | None,
                  quant_config: QuantizationConfig | None, index: int = 0) -> None:
@@ -170,52 +61,18 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
-        hidden = self.scale_output(self.self_attn(positions, hidden, kv_cache, meta))
+        # (no helper calls: this forward is also the decode step, layers/decode_step.py)
+        if residual is None:  # the first layer starts the residual stream from its input
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        multiplier = self.residual_multiplier  # Granite's, on each block's output
+        if multiplier != 1.0:
+            hidden = hidden * multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.scale_output(self.mlp(hidden)), residual
-
-    def decode_step(self) -> tuple[DecodeStep, int] | None:
-        """This layer as one function of a decode-only step in bfloat16 (every token a
-        sequence's next; hidden, residual and the KV caches contiguous, the slots int64),
-        and the most tokens it holds for: forward's kernels called in forward's order with
-        forward's arguments, without the module calls and checks between them (a single
-        stream spends about as long in those as in its kernels; a residual multiplier as
-        forward has it). None where forward does more: a family's own layer, experts,
-        tensor parallelism, no compiled kernels."""
-        mlp, norms = self.mlp, (self.input_layernorm, self.post_attention_layernorm)
-        if (type(self).forward is not LlamaDecoderLayer.forward
-                or type(mlp).forward is not GatedMLP.forward
-                or any(type(norm).forward is not RMSNorm.forward or norm.kernel is None
-                       or norm.weight.dtype != torch.bfloat16 for norm in norms)):
-            return None
-        made = [self.self_attn.decode_fn(), mlp.gate_up_proj.step_fn(torch.bfloat16),
-                mlp.down_proj.step_fn(torch.bfloat16)]
-        if any(m is None for m in made):
-            return None
-        (attend, _), (gate_up, _), (down, _) = made
-        norm_in, norm_post = (norm.kernel for norm in norms)
-        weight_in, weight_post = (norm.weight for norm in norms)
-        eps_in, eps_post = (norm.eps for norm in norms)
-        multiplier = self.residual_multiplier
-
-        def step(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                 kv_cache: torch.Tensor, meta: AttentionMetadata
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-            if residual is None:
-                x, residual = torch.empty_like(hidden), hidden
-                norm_in(x, hidden, None, weight_in, eps_in)
-            else:
-                x = hidden
-                norm_in(x, x, residual, weight_in, eps_in)
-            hidden = attend(positions, x, kv_cache, meta)
-            if multiplier != 1.0:
-                hidden = hidden * multiplier
-            norm_post(hidden, hidden, residual, weight_post, eps_post)
-            hidden = down(gate_up(hidden))
-            return (hidden if multiplier == 1.0 else hidden * multiplier), residual
-
-        return step, min(limit for _, limit in made)
+        hidden = self.mlp(hidden)
+        return (hidden if multiplier == 1.0 else hidden * multiplier), residual
 
     @staticmethod
     def make_mlp(config: Any, index: int, dtype: torch.dtype, ops: KernelTable | None,
@@ -223,10 +80,6 @@ class LlamaDecoderLayer(nn.Module):
         """Layer ``index``'s feed-forward block (a mixture of experts overrides it)."""
         return GatedMLP(config.hidden_size, config.intermediate_size,
                         getattr(config, "mlp_bias", False), dtype, ops, quant_config)
-
-    def scale_output(self, hidden: torch.Tensor) -> torch.Tensor:
-        """A block's output as it joins the residual stream (Granite scales it)."""
-        return hidden if self.residual_multiplier == 1.0 else hidden * self.residual_multiplier
 
 
 class LlamaModel(StagedDecoder):
