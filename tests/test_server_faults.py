@@ -13,7 +13,7 @@ import uvicorn
 from server_utils import free_port
 
 from cpullm.engine.async_engine import AsyncEngine
-from cpullm.engine.llm_engine import LLMEngine
+from cpullm.engine.llm_engine import Frontend
 from cpullm.engine_args import EngineArgs
 from cpullm.entrypoints.openai.api_server import build_app
 
@@ -37,15 +37,21 @@ def serving(engine) -> Iterator[str]:
         thread.join(timeout=10)
 
 
+def engine_on_a_thread(tiny_model) -> AsyncEngine:
+    """The engine core on a thread of this process, where faults can be injected."""
+    config = EngineArgs(model=str(tiny_model("llama")), dtype="float32", block_size=32,
+                        max_model_len=512).create_engine_config()
+    return AsyncEngine(config, Frontend(config), multiprocess=False)
+
+
 def test_engine_failure_fails_requests_and_health(tiny_model):
-    engine = LLMEngine.from_engine_args(EngineArgs(
-        model=str(tiny_model("llama")), dtype="float32", block_size=32, max_model_len=512))
+    engine = engine_on_a_thread(tiny_model)
 
     def broken_forward(scheduler_output):  # fault injection into the real engine
         raise RuntimeError("injected fault")
 
-    engine.model_runner.execute = broken_forward
-    with serving(AsyncEngine(engine)) as url:
+    engine.cores[0].core.executor.model_runner.execute = broken_forward
+    with serving(engine) as url:
         assert httpx.get(f"{url}/health").status_code == 200
         # A stream's headers go out before the failure: its error comes as an SSE event.
         response = httpx.post(f"{url}/v1/completions", timeout=10,
@@ -103,8 +109,6 @@ def test_a_fault_in_one_request_fails_that_request_only(tiny_model, monkeypatch,
     """A detokenizer that raises for one request: that request gets a 500 (an SSE error
     event when streaming); the other requests, /health and the KV pool are unharmed."""
     from cpullm.engine import detokenizer
-    from cpullm.engine.async_engine import AsyncMPEngine
-    from cpullm.engine.llm_engine import Frontend
 
     update = detokenizer.IncrementalDetokenizer.update
 
@@ -114,13 +118,9 @@ def test_a_fault_in_one_request_fails_that_request_only(tiny_model, monkeypatch,
         return update(self, new_token_ids, skip_last)
 
     monkeypatch.setattr(detokenizer.IncrementalDetokenizer, "update", faulty_update)
-    args = EngineArgs(model=str(tiny_model("llama")), dtype="float32", block_size=32,
-                      max_model_len=512)
-    if engine_kind == "thread":
-        engine = AsyncEngine(LLMEngine.from_engine_args(args))
-    else:
-        config = args.create_engine_config()
-        engine = AsyncMPEngine(config, Frontend(config))
+    config = EngineArgs(model=str(tiny_model("llama")), dtype="float32", block_size=32,
+                        max_model_len=512).create_engine_config()
+    engine = AsyncEngine(config, Frontend(config), multiprocess=engine_kind == "process")
     assert_one_request_fails(engine, {"stop": ["BOOM"]}, "injected detokenizer fault")
 
 
@@ -138,6 +138,5 @@ def test_a_fault_in_one_requests_sampling_fails_that_request_only(tiny_model, mo
         return penalties(self, logits, batch)
 
     monkeypatch.setattr(sampler.Sampler, "_apply_penalties", faulty_penalties)
-    engine = AsyncEngine(LLMEngine.from_engine_args(EngineArgs(
-        model=str(tiny_model("llama")), dtype="float32", block_size=32, max_model_len=512)))
+    engine = engine_on_a_thread(tiny_model)
     assert_one_request_fails(engine, {"presence_penalty": 1.5}, "injected sampler fault")

@@ -28,6 +28,8 @@ import dataclasses
 import os
 import shutil
 import signal
+import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -123,29 +125,46 @@ def decode_stats(data: list[Any]) -> EngineStats:
 def run_engine_core(config: EngineConfig, eos_token_ids: set[int], input_address: str,
                     output_address: str, ready: Connection) -> None:
     """The engine-core process: load the model, say ready, then serve the sockets."""
-    parent = os.getppid()
     die_with_parent()
     # Ctrl-C in a terminal reaches the whole process group; the front end stops this one.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def started(core: EngineCore | None, error: str | None) -> None:
+        ready.send(("ready", None) if error is None else ("error", error))
+        ready.close()
+
     context = zmq.Context()
+    try:
+        serve_core(config, eos_token_ids, context, input_address, output_address, started)
+    finally:
+        context.term()
+
+
+def serve_core(config: EngineConfig, eos_token_ids: set[int], context: zmq.Context,
+               input_address: str, output_address: str,
+               started: Callable[[EngineCore | None, str | None], None]) -> None:
+    """An engine core's life, in its process or on its thread: bind the input socket,
+    load the model, report (``started``: the core, or why it failed), then serve the
+    sockets until SHUTDOWN (a step that raises ends it with SystemExit(1))."""
+    parent = os.getppid()
     inbox = context.socket(zmq.PULL)
     inbox.bind(input_address)
     outbox = context.socket(zmq.PUSH)
     outbox.connect(output_address)
     try:
-        core = EngineCore(config, eos_token_ids)
-    except BaseException as e:
-        ready.send(("error", f"{type(e).__name__}: {e}"))
-        raise
-    ready.send(("ready", None))
-    ready.close()
-    try:
-        _serve(core, config.parallel.data_parallel_rank, inbox, outbox, parent)
+        try:
+            core = EngineCore(config, eos_token_ids)
+        except BaseException as e:
+            started(None, f"{type(e).__name__}: {e}")
+            raise
+        started(core, None)
+        try:
+            _serve(core, config.parallel.data_parallel_rank, inbox, outbox, parent)
+        finally:
+            core.shutdown()
     finally:
-        core.shutdown()
         outbox.close(linger=1000)  # a FAILED message still goes out
         inbox.close(linger=0)
-        context.term()
 
 
 def _serve(core: EngineCore, index: int, inbox: zmq.Socket, outbox: zmq.Socket,
@@ -230,6 +249,10 @@ class CoreProcess:
     def exitcode(self) -> int | None:
         return self.process.exitcode
 
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
     def stop(self, timeout: float = 5.0) -> None:
         """After SHUTDOWN was sent: wait for the process, then end it if it lingers."""
         self.process.join(timeout)
@@ -239,6 +262,60 @@ class CoreProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(2)
+
+
+class CoreThread:
+    """An engine core on a thread of this process, behind the same sockets as a
+    CoreProcess (ZeroMQ's inproc transport, on the front end's context): what the server
+    runs under ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, and what tests that inject faults
+    into the engine reach (``core``, once started). Its steps then share this process's
+    GIL with the event loop."""
+
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int], input_address: str,
+                 output_address: str, context: zmq.Context) -> None:
+        self.input_address = input_address
+        self.core: EngineCore | None = None
+        self.exitcode: int | None = None  # as a process's: 0 stopped, 1 failed
+        self._started = threading.Event()
+        self._error: str | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(config, eos_token_ids, input_address, output_address,
+                                    context),
+            name=f"cpullm-engine-core-{config.parallel.data_parallel_rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self, config: EngineConfig, eos_token_ids: set[int], input_address: str,
+             output_address: str, context: zmq.Context) -> None:
+        def started(core: EngineCore | None, error: str | None) -> None:
+            self.core, self._error = core, error
+            self._started.set()
+
+        code = 1
+        try:
+            serve_core(config, eos_token_ids, context, input_address, output_address, started)
+            code = 0
+        except SystemExit as e:  # a step raised (logged, and FAILED sent)
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException as e:  # noqa: BLE001 - starting failed: wait_ready raises it
+            if not self._started.is_set():
+                self._error = f"{type(e).__name__}: {e}"
+        finally:
+            self.exitcode = code
+            self._started.set()
+
+    def wait_ready(self) -> None:
+        """Block until the model is loaded; raises RuntimeError if that failed."""
+        self._started.wait()
+        if self._error is not None:
+            raise RuntimeError(f"the engine core failed to start: {self._error}")
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """After SHUTDOWN was sent: wait for the thread."""
+        self._thread.join(timeout)
 
 
 class CoreClient:
@@ -329,7 +406,7 @@ class CoreClient:
         if self._closed:
             return
         self._closed = True
-        if self.process.process.is_alive():
+        if self.process.alive:
             self._input.send(pack([SHUTDOWN]))
         self.process.stop()
         self._zmq.destroy(linger=0)

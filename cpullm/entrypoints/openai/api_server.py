@@ -23,8 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import cpullm
 from cpullm import envs
-from cpullm.engine.async_engine import AsyncEngine, AsyncMPEngine, EngineDeadError, ServingEngine
-from cpullm.engine.llm_engine import Frontend, LLMEngine
+from cpullm.engine.async_engine import AsyncEngine, EngineDeadError, ServingEngine
+from cpullm.engine.llm_engine import Frontend
 from cpullm.engine_args import EngineArgs
 from cpullm.entrypoints.openai.metrics import ServerMetrics
 from cpullm.entrypoints.openai.protocol import (
@@ -387,11 +387,8 @@ def run_server(args: argparse.Namespace) -> int:
     if config.parallel.node_rank != 0:
         raise SystemExit(f"--node-rank {config.parallel.node_rank}: only node 0 serves; start "
                          "the other nodes with --headless")
-    engine: ServingEngine
-    if envs.VLLM_ENABLE_V1_MULTIPROCESSING is not False:
-        engine = AsyncMPEngine(config, Frontend(config))
-    else:
-        engine = AsyncEngine(LLMEngine(config))
+    engine = AsyncEngine(config, Frontend(config),
+                         multiprocess=envs.VLLM_ENABLE_V1_MULTIPROCESSING is not False)
     served_name = config.model.served_model_name
     if not config.model.is_pooling:  # the grammar checks' view of the vocabulary, read
         threading.Thread(target=engine.frontend.grammars.warm,  # while the core starts
