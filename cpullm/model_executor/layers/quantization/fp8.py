@@ -190,7 +190,9 @@ class Float8Weight(QuantizedWeight):
         return "panels" if rows > FP8_DOT_MAX_ROWS else "dot"
 
     def matmul_into(self, out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
-                    ops: KernelTable | None, kernel: str | None = None) -> None:
+                    ops: KernelTable | None, kernel: str | None = None,
+                    silu_mul: bool = False) -> None:
+        assert not silu_mul  # (fuses_silu_mul: no FP8 kernel stores the activation)
         kernel = kernel or self.kernel_for(x.shape[0], ops, x.dtype)
         if kernel == "torch":
             super().matmul_into(out, x, bias, ops, "torch")
