@@ -1,11 +1,11 @@
 // A kept weight is laid out again after loading (quantization/kept.py, TiledWeight) with 16
 // rows of W side by side, one per 32-bit lane: per 16 rows
-// ("a group") and 32 k ("a chunk"), steps of 64 bytes whose lane r holds 4 consecutive k of
+// ("a tile") and 32 k ("a chunk"), steps of 64 bytes whose lane r holds 4 consecutive k of
 // row r. With 8 bits, 8 steps, step q the k 4q .. 4q + 3; with 4 bits, 4 steps, step q
 // those k in its low halves and 16 + 4q .. 16 + 4q + 3 in its high ones. The scales (and
-// mins) are [groups][blocks][16]. So:
+// mins) are [tiles][blocks][16]. So:
 // - dequantized, a step is rows of the B operand of TDPBF16PS as they lie (pairs of k by 16
-//   columns of W), and half of a row of the dense GEMM's panels: a group's 16 rows need no
+//   columns of W), and half of a row of the dense GEMM's panels: a tile's 16 rows need no
 //   transpose, and the dense GEMMs run on the panels they make (gemm_on_panels_amx, x the A
 //   operand where it lies, the products stored as they come: no tiles of x to lay out, no
 //   products to transpose; gemm_on_panels on AVX-512 BF16);
@@ -26,10 +26,10 @@ namespace quant {
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 struct TiledWeight {
-  const uint8_t* data;  // [groups][k / 32][steps][64]
-  const void* scales;   // [groups][blocks][16]
+  const uint8_t* data;  // [tiles][k / 32][steps][64]
+  const void* scales;   // [tiles][blocks][16]
   const void* mins;     // the same, or null
-  int64_t k, blocks, group_bytes;
+  int64_t k, blocks, tile_bytes;
   float zero;
 };
 
@@ -59,11 +59,11 @@ inline BlockQuantizedX quantize_blocks(const at::Tensor& x, int64_t block, bool 
 }
 
 constexpr int kTiledTokens = 4;  // tokens of x per item of the int8 dot products
-// Rows of x whose int8 copy (k bytes each) a thread's sets of groups run over before the
+// Rows of x whose int8 copy (k bytes each) a thread's sets of tiles run over before the
 // next such block: W is read from memory once per block, x's block from L2.
 constexpr int64_t kTiledBlockRows = 256;
 
-constexpr int64_t kTiledAhead = 4096;  // bytes of a group prefetched ahead (tiled_dots)
+constexpr int64_t kTiledAhead = 4096;  // bytes of a tile prefetched ahead (tiled_dots)
 
 // Where quant_gemm_tiled_int8's sums go: bfloat16 rows, or float32 logits (a token's two
 // levels of x, rows 2t and 2t + 1 of its quantized x, added).
@@ -87,17 +87,17 @@ TiledWeight check_tiled(const at::Tensor& out, const at::Tensor& x, const at::Te
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-inline __m512 group_values(const at::Half* p) {
+inline __m512 tile_values(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline __m512 group_values(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 tile_values(const float* p) { return _mm512_loadu_ps(p); }
 
-// The scale and the min (or -zero s) of block b of group g's 16 rows.
+// The scale and the min (or -zero s) of block b of tile g's 16 rows.
 template <typename S, bool MIN>
-inline void group_scales(const TiledWeight& w, int64_t g, int64_t b, __m512& s, __m512& m) {
+inline void tile_scales(const TiledWeight& w, int64_t g, int64_t b, __m512& s, __m512& m) {
   const int64_t at = (g * w.blocks + b) * 16;
-  s = group_values(static_cast<const S*>(w.scales) + at);
-  m = MIN ? group_values(static_cast<const S*>(w.mins) + at)
+  s = tile_values(static_cast<const S*>(w.scales) + at);
+  m = MIN ? tile_values(static_cast<const S*>(w.mins) + at)
           : _mm512_mul_ps(s, _mm512_set1_ps(-w.zero));
 }
 

@@ -12,7 +12,7 @@ namespace cpullm {
 namespace quant {
 
 namespace {
-// tiled_dots of the library's level, by layout, tokens and groups
+// tiled_dots of the library's level, by layout, tokens and tiles
 template <int BITS, int BLOCK, typename S, bool MIN>
 struct TiledDots {
   using Fn = void (*)(const TiledWeight&, int64_t, int64_t, const BlockQuantizedX&, int64_t,
@@ -26,7 +26,7 @@ struct TiledDots {
         {&tiled_dots<BITS, BLOCK, S, MIN, 4, 1, P>, &tiled_dots<BITS, BLOCK, S, MIN, 4, 2, P>}};
     return table[t][g];
   }
-  // [PREFETCH][tokens - 1][groups - 1]
+  // [PREFETCH][tokens - 1][tiles - 1]
   static constexpr Fn entry[2][kTiledTokens][2] = {
       {{one<false>(0, 0), one<false>(0, 1)}, {one<false>(1, 0), one<false>(1, 1)},
        {one<false>(2, 0), one<false>(2, 1)}, {one<false>(3, 0), one<false>(3, 1)}},
@@ -51,9 +51,9 @@ TiledWeight check_tiled(const at::Tensor& out, const at::Tensor& x, const at::Te
               (scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat),
               "quant_gemm_tiled: uint8 data [n / 16, k * 2 bits] and float16 or float32 "
               "scales [n / 16, blocks, 16] expected");
-  const int64_t m = x.size(0), k = x.size(1), groups = data.size(0), n = 16 * groups;
+  const int64_t m = x.size(0), k = x.size(1), tiles = data.size(0), n = 16 * tiles;
   TORCH_CHECK(k % 32 == 0 && k % block == 0 && data.size(1) == k * 2 * bits &&
-              scales.size(0) == groups && scales.size(1) == k / block && scales.size(2) == 16 &&
+              scales.size(0) == tiles && scales.size(1) == k / block && scales.size(2) == 16 &&
               out.size(0) == m && out.size(1) == (silu_mul ? n / 2 : n),
               "quant_gemm_tiled: shapes do not match (K a multiple of 32)");
   if (mins.has_value())
@@ -75,10 +75,10 @@ void quant_gemm_tiled_int8(at::Tensor out, at::Tensor x, at::Tensor data, at::Te
                            c10::optional<at::Tensor> mins, int64_t bits, int64_t block,
                            int64_t zero, c10::optional<at::Tensor> bias, bool silu_mul) {
   const TiledWeight w = check_tiled(out, x, data, scales, mins, bits, block, zero, bias, silu_mul);
-  const int64_t m = x.size(0), groups = data.size(0);
+  const int64_t m = x.size(0), tiles = data.size(0);
   TORCH_CHECK(!silu_mul || kStoresSiluMul,
               "quant_gemm_tiled_int8: this library stores products, not SiLU-mul");
-  TORCH_CHECK(!silu_mul || groups % 2 == 0,
+  TORCH_CHECK(!silu_mul || tiles % 2 == 0,
               "quant_gemm_tiled_int8: gate and up of 16-row multiples expected");
   if (m == 0) return;
   const auto dots = pick_kept<TiledDots>(bits, block, scales.scalar_type() == at::kHalf,
@@ -90,26 +90,26 @@ void quant_gemm_tiled_int8(at::Tensor out, at::Tensor x, at::Tensor data, at::Te
   const int64_t rows = logits ? 2 * m : m;
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   const TiledOut to = tiled_out(out);
-  // an item: 4 rows of xq by a set of two groups, g0 and g0 + apart (with silu_mul, 16 rows
-  // of gate and their 16 of up); for one token, of one group (one stream of W an item, which
+  // an item: 4 rows of xq by a set of two tiles, g0 and g0 + apart (with silu_mul, 16 rows
+  // of gate and their 16 of up); for one token, of one tile (one stream of W an item, which
   // keeps up with memory better than two)
   const int64_t per = !silu_mul && m == 1 ? 1 : 2;
-  const int64_t sets = silu_mul ? groups / 2 : (groups + per - 1) / per;
-  const int64_t apart = silu_mul ? groups / 2 : 1;
+  const int64_t sets = silu_mul ? tiles / 2 : (tiles + per - 1) / per;
+  const int64_t apart = silu_mul ? tiles / 2 : 1;
   const int64_t quads = (rows + kTiledTokens - 1) / kTiledTokens;
   const int64_t block_quads = std::min<int64_t>(quads, kTiledBlockRows / kTiledTokens);
   at::parallel_for(0, sets * quads, 1, [&](int64_t begin, int64_t end) {
     Sums acc[kTiledTokens * 2];
     for (int64_t item = begin; item < end; ++item) {
       // blocks of block_quads quads of tokens (the last one maybe fewer), each set of
-      // groups over a block's quads in turn
+      // tiles over a block's quads in turn
       const int64_t tb = item / (sets * block_quads), local = item % (sets * block_quads);
       const int64_t in_block = std::min(block_quads, quads - tb * block_quads);
       const int64_t set = local / in_block;
       const int64_t t0 = (tb * block_quads + local % in_block) * kTiledTokens;
       const int64_t g0 = silu_mul ? set : per * set;
       const int tokens = static_cast<int>(std::min<int64_t>(kTiledTokens, rows - t0));
-      const int gs = silu_mul ? 2 : static_cast<int>(std::min<int64_t>(per, groups - g0));
+      const int gs = silu_mul ? 2 : static_cast<int>(std::min<int64_t>(per, tiles - g0));
       // up to 4 tokens, W read once as it streams from memory: prefetched
       dots[quads == 1][tokens - 1][gs - 1](w, g0, apart, xq, t0, acc);
       store_sums(acc, tokens, gs, t0, g0, apart, silu_mul ? set : -1, bp, to);
@@ -118,7 +118,7 @@ void quant_gemm_tiled_int8(at::Tensor out, at::Tensor x, at::Tensor data, at::Te
 }
 
 // Several weights of one shape and layout, weight i over rows [offsets[i], offsets[i + 1]) of x
-// (a mixture's chosen experts): x quantized once, and every (weight, set of groups, 4 rows)
+// (a mixture's chosen experts): x quantized once, and every (weight, set of tiles, 4 rows)
 // one item of a single parallel loop, each as quant_gemm_tiled_int8 runs it.
 void quant_gemm_tiled_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tensor> data,
                               std::vector<at::Tensor> scales, std::vector<at::Tensor> mins,
@@ -149,7 +149,7 @@ void quant_gemm_tiled_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tens
                                          !mins.empty());
   const BlockQuantizedX xq = quantize_blocks(x, block, false);
   const TiledOut to = tiled_out(out);
-  // (weight, first row, rows, first group, groups, prefetch): a weight's sets of two groups
+  // (weight, first row, rows, first tile, tiles, prefetch): a weight's sets of two tiles
   // (one for a weight of one row, as quant_gemm_tiled_int8 takes one token) each over its
   // rows 4 at a time
   struct Item {
@@ -158,14 +158,14 @@ void quant_gemm_tiled_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tens
     bool prefetch;
   };
   std::vector<Item> items;
-  const int64_t groups = data[0].size(0);
+  const int64_t tiles = data[0].size(0);
   for (int64_t i = 0; i < weights; ++i) {
     const int64_t rows = offsets[i + 1] - offsets[i], per = rows == 1 ? 1 : 2;
-    for (int64_t g0 = 0; rows > 0 && g0 < groups; g0 += per)
+    for (int64_t g0 = 0; rows > 0 && g0 < tiles; g0 += per)
       for (int64_t t = 0; t < rows; t += kTiledTokens)
         items.push_back(Item{i, offsets[i] + t, g0,
                              static_cast<int>(std::min<int64_t>(kTiledTokens, rows - t)),
-                             static_cast<int>(std::min(per, groups - g0)), rows <= kTiledTokens});
+                             static_cast<int>(std::min(per, tiles - g0)), rows <= kTiledTokens});
   }
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     Sums acc[kTiledTokens * 2];

@@ -1,11 +1,11 @@
-// The int8 dot products of the 16-row tiles (tiled_dots.cpp) on AVX2, without VNNI: a group's
+// The int8 dot products of the 16-row tiles (tiled_dots.cpp) on AVX2, without VNNI: a tile's
 // 16 rows are two vectors of 8 lanes, a lane per row.
 //
 // A lane's four u8 x s8 products are summed by VPMADDUBSW (pairs into int16) and VPMADDWD
 // (pairs of pairs into int32), what one VNNI instruction does. A pair of 4-bit u by x is at
 // most 2 * 15 * 127 and fits int16, but 8-bit u could saturate it, so those multiply as
 // q = u - 128 (|q| by x with q's sign: at most 2 * 128 * 127), and the 128 s dx sum(x's q)
-// this leaves out joins each block's min term. A set of groups runs one group at a time
+// this leaves out joins each block's min term. A set of tiles runs one tile at a time
 // over its tokens, whose int8 x stays in L1.
 #pragma once
 
@@ -26,7 +26,7 @@ inline __m256 rows8(const at::Half* p) {
 }
 inline __m256 rows8(const float* p) { return _mm256_loadu_ps(p); }
 
-// Tokens [t0, t0 + T) by G groups g0, g0 + apart, ... (16 G rows of W), as float32 sums
+// Tokens [t0, t0 + T) by G tiles g0, g0 + apart, ... (16 G rows of W), as float32 sums
 // acc [T][G]: per block, the integer sums of u q (4 k per lane, x's 4 broadcast) meet the
 // block's scales once: s dx sum(u q) + m dx sum(q). PREFETCH: each step's bytes
 // kTiledAhead on are brought into L1, as on AVX-512.
@@ -42,8 +42,8 @@ void tiled_dots(const TiledWeight& w, int64_t g0, int64_t apart, const BlockQuan
   const __m256 offset = _mm256_set1_ps(kSigned ? 128.f : 0.f);
   const __m256 minus_zero = _mm256_set1_ps(kSigned ? 128.f - w.zero : -w.zero);
   for (int g = 0; g < G; ++g) {
-    const int64_t group = g0 + g * apart;
-    const uint8_t* data = w.data + group * w.group_bytes;
+    const int64_t tile = g0 + g * apart;
+    const uint8_t* data = w.data + tile * w.tile_bytes;
     __m256i sums[T][2];
     for (int t = 0; t < T; ++t) {
       acc[t * G + g].half[0] = acc[t * G + g].half[1] = _mm256_setzero_ps();
@@ -76,7 +76,7 @@ void tiled_dots(const TiledWeight& w, int64_t g0, int64_t apart, const BlockQuan
         }
         const int64_t kk = 32 * c + 16 * h + 16;  // k done
         if (kk % BLOCK == 0) {
-          const int64_t b = kk / BLOCK - 1, at = (group * w.blocks + b) * 16;
+          const int64_t b = kk / BLOCK - 1, at = (tile * w.blocks + b) * 16;
           for (int r = 0; r < 2; ++r) {
             const __m256 s = rows8(static_cast<const S*>(w.scales) + at + 8 * r);
             const __m256 m = MIN ? _mm256_fmadd_ps(
@@ -96,7 +96,8 @@ void tiled_dots(const TiledWeight& w, int64_t g0, int64_t apart, const BlockQuan
   }
 }
 
-// 8 bfloat16 values (rounded to nearest even, as c10::BFloat16) at p, or to float32 ones.
+// 8 bfloat16 values (rounded to nearest even, as c10::BFloat16; vec.h's bf16x16_store
+// without AVX512-BF16 rounds 16 alike) at p, or to float32 ones.
 inline void store8(c10::BFloat16* p, __m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
@@ -114,7 +115,7 @@ inline __m256 bias8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(words), 16));
 }
 
-// The sums of tiled_dots (acc [tokens][gs]: rows t0.. of the quantized x by groups g0,
+// The sums of tiled_dots (acc [tokens][gs]: rows t0.. of the quantized x by tiles g0,
 // g0 + apart, ...) into out's rows, the bias (bp, or null) added. No SiLU-mul here
 // (silu_set < 0): the AVX2 library stores products.
 inline void store_sums(const Sums* acc, int tokens, int gs, int64_t t0, int64_t g0,

@@ -1,4 +1,4 @@
-// The int8 dot products of the 16-row tiles (tiled_dots.cpp) on AVX-512 VNNI: a group's 16
+// The int8 dot products of the 16-row tiles (tiled_dots.cpp) on AVX-512 VNNI: a tile's 16
 // rows are one vector, a lane per row.
 #pragma once
 
@@ -16,19 +16,19 @@ constexpr bool kStoresSiluMul = true;
 constexpr bool kStoresSiluMul = false;
 #endif
 
-// Tokens [t0, t0 + T) by G groups g0, g0 + apart, ... (16 G rows of W), as float32 [T][G][16]
+// Tokens [t0, t0 + T) by G tiles g0, g0 + apart, ... (16 G rows of W), as float32 [T][G][16]
 // in acc: per block, the integer sums of u q (4 k per lane per instruction, x's 4 broadcast)
 // meet the block's scales once: s dx sum(u q) + m dx sum(q). PREFETCH: each step's bytes
 // kTiledAhead on are brought into L1 (where W streams from memory past a few rows of x: the
-// hardware's prefetch does not cross the 4 KiB pages of a group's bytes).
+// hardware's prefetch does not cross the 4 KiB pages of a tile's bytes).
 template <int BITS, int BLOCK, typename S, bool MIN, int T, int G, bool PREFETCH>
 void tiled_dots(const TiledWeight& w, int64_t g0, int64_t apart, const BlockQuantizedX& xq,
                 int64_t t0, Sums* acc) {
   constexpr int kSteps = BITS == 4 ? 4 : 8;
   const int64_t k = w.k;
   const __m512i low = _mm512_set1_epi8(0x0F);
-  // chains of integer sums per token and group: at least 8 in all where there are fewer
-  // tokens and groups than that, so that VPDPBUSD's latency is covered
+  // chains of integer sums per token and tile: at least 8 in all where there are fewer
+  // tokens and tiles than that, so that VPDPBUSD's latency is covered
   constexpr int C = T * G >= 8 ? 1 : T * G >= 4 ? 2 : 4;
   __m512i sums[T][G][C];
   for (int t = 0; t < T; ++t)
@@ -41,8 +41,8 @@ void tiled_dots(const TiledWeight& w, int64_t g0, int64_t apart, const BlockQuan
       for (int q = 0; q < 4; ++q) {
         __m512i u[G];
         for (int g = 0; g < G; ++g) {
-          const uint8_t* steps = w.data + (g0 + g * apart) * w.group_bytes + c * kSteps * 64;
-          if (PREFETCH && (h == 0 || BITS == 8))  // the group's bytes kTiledAhead on
+          const uint8_t* steps = w.data + (g0 + g * apart) * w.tile_bytes + c * kSteps * 64;
+          if (PREFETCH && (h == 0 || BITS == 8))  // the tile's bytes kTiledAhead on
             _mm_prefetch(reinterpret_cast<const char*>(steps + kTiledAhead +
                                                        (BITS == 8 ? 4 * h + q : q) * 64),
                          _MM_HINT_T0);
@@ -66,7 +66,7 @@ void tiled_dots(const TiledWeight& w, int64_t g0, int64_t apart, const BlockQuan
         const int64_t b = kk / BLOCK - 1;
         for (int g = 0; g < G; ++g) {
           __m512 s, m;
-          group_scales<S, MIN>(w, g0 + g * apart, b, s, m);
+          tile_scales<S, MIN>(w, g0 + g * apart, b, s, m);
           for (int t = 0; t < T; ++t) {
             const int64_t at = (t0 + t) * w.blocks + b;
             __m512& a = acc[t * G + g];
@@ -82,9 +82,9 @@ void tiled_dots(const TiledWeight& w, int64_t g0, int64_t apart, const BlockQuan
     }
 }
 
-// The sums of tiled_dots (acc [tokens][gs][16]: rows t0.. of the quantized x by groups g0,
+// The sums of tiled_dots (acc [tokens][gs][16]: rows t0.. of the quantized x by tiles g0,
 // g0 + apart, ...) into out's rows, the bias (bp, or null) added. silu_set >= 0: the two
-// groups are 16 rows of gate and their 16 of up, stored as silu(gate) * up in columns
+// tiles are 16 rows of gate and their 16 of up, stored as silu(gate) * up in columns
 // 16 silu_set ...
 inline void store_sums(const Sums* acc, int tokens, int gs, int64_t t0, int64_t g0,
                        int64_t apart, int64_t silu_set, const c10::BFloat16* bp,

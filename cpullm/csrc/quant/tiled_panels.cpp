@@ -17,12 +17,12 @@ inline __m512 biased_u(__m512i v, __m512i mask, __m512i one) {
   return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(v, mask, one, 0xEA));  // v & mask | one
 }
 
-// Parts [part0, part1) of groups group[0] and group[1] of W as a bfloat16 panel [k / 2][32]
-// [2] (columns 0-15 and 16-31), a part 32 k of one group (part i: chunk i % (k / 32) of
-// group[i / (k / 32)]): w = s u + m = s (one + u) + (m - one s), one FMA per 16 weights.
-// The groups ahead groups on (the next panel's) are prefetched into L2.
+// Parts [part0, part1) of tiles tile[0] and tile[1] of W as a bfloat16 panel [k / 2][32]
+// [2] (columns 0-15 and 16-31), a part 32 k of one tile (part i: chunk i % (k / 32) of
+// tile[i / (k / 32)]): w = s u + m = s (one + u) + (m - one s), one FMA per 16 weights.
+// The tiles ahead tiles on (the next panel's) are prefetched into L2.
 template <int BITS, typename S, bool MIN, int BLOCK>
-void dequantize_tiled(const TiledWeight& w, const int64_t* group, int64_t ahead,
+void dequantize_tiled(const TiledWeight& w, const int64_t* tile, int64_t ahead,
                       int32_t* panel, int64_t part0, int64_t part1) {
   constexpr int kSteps = BITS == 4 ? 4 : 8;
   const float one = BITS == 4 ? 128.f : 256.f;
@@ -38,13 +38,13 @@ void dequantize_tiled(const TiledWeight& w, const int64_t* group, int64_t ahead,
     const int64_t half = part / chunks, c = part % chunks;
     __m512 s[2], m[2];  // of k 32c .. + 15 and 32c + 16 .. + 31
     for (int h = 0; h < 2; ++h) {
-      group_scales<S, MIN>(w, group[half], (32 * c + 16 * h) / BLOCK, s[h], m[h]);
+      tile_scales<S, MIN>(w, tile[half], (32 * c + 16 * h) / BLOCK, s[h], m[h]);
       m[h] = _mm512_fnmadd_ps(s[h], _mm512_set1_ps(one), m[h]);
     }
-    const uint8_t* steps = w.data + group[half] * w.group_bytes + c * kSteps * 64;
+    const uint8_t* steps = w.data + tile[half] * w.tile_bytes + c * kSteps * 64;
     int32_t* out = panel + c * 16 * 32 + 16 * half;  // pair 16c, this half's columns
     for (int q = 0; q < kSteps; ++q) {
-      _mm_prefetch(reinterpret_cast<const char*>(steps + ahead * w.group_bytes + q * 64),
+      _mm_prefetch(reinterpret_cast<const char*>(steps + ahead * w.tile_bytes + q * 64),
                    _MM_HINT_T1);
       const __m512i u = _mm512_loadu_si512(steps + q * 64);
       if (BITS == 8) {
@@ -72,7 +72,7 @@ struct TiledDequantizer {
   static constexpr auto entry = &dequantize_tiled<BITS, S, MIN, BLOCK>;
 };
 
-// quant_gemm_tiled_bf16 and quant_gemm_tiled_amx: panels of two groups (16 rows of gate and
+// quant_gemm_tiled_bf16 and quant_gemm_tiled_amx: panels of two tiles (16 rows of gate and
 // their 16 of up with silu_mul) dequantized in parts, on AMX tiles (the next panel's parts
 // between the current one's tile products) or on the AVX-512 GEMM's register tiles (a
 // whole panel before its products).
@@ -88,8 +88,8 @@ void tiled_panels(const char* name, at::Tensor& out, const at::Tensor& x, const 
   const auto dequantize = pick_kept<TiledDequantizer>(bits, block, scales.scalar_type() == at::kHalf,
                                                       mins.has_value());
   const PanelParts panel_parts = [&](int64_t p, int32_t* panel, int64_t part0, int64_t part1) {
-    const int64_t group[2] = {silu_mul ? p : 2 * p, silu_mul ? n / 32 + p : 2 * p + 1};
-    dequantize(w, group, silu_mul ? 1 : 2, panel, part0, part1);
+    const int64_t tile[2] = {silu_mul ? p : 2 * p, silu_mul ? n / 32 + p : 2 * p + 1};
+    dequantize(w, tile, silu_mul ? 1 : 2, panel, part0, part1);
   };
   const c10::optional<at::Tensor> biases = panel_bias(bias, n, silu_mul);
   if (amx) {

@@ -301,6 +301,8 @@ class TiledWeight(QuantizedWeight):
     # Rows of zeros past the weight's n, to a multiple of the 32 rows of a panel (an LM
     # head's odd vocabulary): the kernels write them into a scratch product.
     pad = 0
+    # (the layer's bias, it with pad zeros): padded once, not in every call
+    _padded_bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @staticmethod
     def runs(weight: QuantizedWeight, ops: KernelTable) -> bool:
@@ -350,13 +352,13 @@ class TiledWeight(QuantizedWeight):
         else:
             rows = torch.arange(self.n) if index is None else torch.arange(self.n)[index]
         shape, rows = rows.shape, rows.reshape(-1)
-        group, lane = rows // 16, rows % 16
-        raw = self.data.view(-1, k // 32, 8 if bits == 8 else 4, 16, 4)[group, :, :, lane]
+        tile, lane = rows // 16, rows % 16
+        raw = self.data.view(-1, k // 32, 8 if bits == 8 else 4, 16, 4)[tile, :, :, lane]
         if bits == 4:  # [rows, k / 32, 4, 4] -> [rows, k / 32, 2, 4, 4]: the low halves first
             raw = torch.stack([raw & 0x0F, raw >> 4], dim=2)
-        mins = None if self.mins is None else self.mins[group, :, lane]
+        mins = None if self.mins is None else self.mins[tile, :, lane]
         w = self._weights(raw.reshape(len(rows), k // block, block),
-                          self.scales[group, :, lane], mins)
+                          self.scales[tile, :, lane], mins)
         return w.view(*shape, k).to(dtype)
 
     def kernel_for(self, rows: int, ops: KernelTable | None, dtype: torch.dtype) -> str:
@@ -407,7 +409,9 @@ class TiledWeight(QuantizedWeight):
         if self.pad:  # (no SiLU-mul: n is not a multiple of 32)
             wide = out.new_empty(out.shape[0], self.n + self.pad)
             if bias is not None:
-                bias = torch.cat([bias, bias.new_zeros(self.pad)])
+                if self._padded_bias is None or self._padded_bias[0] is not bias:
+                    self._padded_bias = (bias, torch.cat([bias, bias.new_zeros(self.pad)]))
+                bias = self._padded_bias[1]
             run(wide, x, self.data, self.scales, self.mins, self.fmt.bits, self.fmt.block,
                 self.fmt.zero or 0, bias, False)
             out.copy_(wide[:, :self.n])
