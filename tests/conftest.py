@@ -274,14 +274,24 @@ def assert_greedy_follows(exact: list[Any], other: list[Any]) -> None:
                 break
 
 
+# (folder, prompts, max_new_tokens) -> hf_greedy's tokens: the session's folders never
+# change, and several tests compare with the same reference (test_parallel: TP and PP)
+_HF_GREEDY: dict[tuple[str, tuple[tuple[int, ...], ...], int], list[list[int]]] = {}
+
+
 def hf_greedy(reference: Any, prompts: list[list[int]], max_new_tokens: int
               ) -> list[list[int]]:
-    """transformers' greedy float32 tokens for each prompt, from a model folder or a loaded
-    model, with no end-of-sequence stop."""
+    """transformers' greedy float32 tokens for each prompt, from a model folder (computed
+    once a session) or a loaded model, with no end-of-sequence stop."""
     from transformers import AutoModelForCausalLM
 
-    model = reference if isinstance(reference, torch.nn.Module) else \
-        AutoModelForCausalLM.from_pretrained(str(reference), dtype=torch.float32)
+    if not isinstance(reference, torch.nn.Module):
+        key = (str(reference), tuple(map(tuple, prompts)), max_new_tokens)
+        if key not in _HF_GREEDY:
+            _HF_GREEDY[key] = hf_greedy(AutoModelForCausalLM.from_pretrained(
+                str(reference), dtype=torch.float32), prompts, max_new_tokens)
+        return [list(tokens) for tokens in _HF_GREEDY[key]]
+    model = reference
     model.generation_config.eos_token_id = None
     results = []
     for prompt in prompts:
