@@ -5,6 +5,7 @@ the engine's batching of whole inputs with no KV cache."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,51 @@ def test_sentence_transformers_files_set_the_pooler(tmp_path, bert_tokenizer):
     got = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS[:3], use_tqdm=False)])
     torch.testing.assert_close(got, transformers_pooled(path, "BertModel", TEXTS[:3], "MEAN"),
                                atol=2e-5, rtol=1e-4)
+
+
+def save_sentence_transformer(path: Path, encoder: Path, mode: str, normalize: bool) -> Path:
+    """A sentence-transformers folder over ``encoder``, saved by the installed release (so
+    that its next change of format shows here)."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Normalize, Pooling, Transformer
+
+    transformer = Transformer(str(encoder))
+    modules = [transformer, Pooling(transformer.get_embedding_dimension(), pooling_mode=mode)]
+    SentenceTransformer(modules=modules + [Normalize()] * normalize, device="cpu").save(
+        str(path))
+    return path
+
+
+@pytest.mark.parametrize("mode,normalize", [("cls", True), ("mean", False),
+                                            ("lasttoken", True)])
+def test_folders_saved_by_sentence_transformers_embed_as_it_does(tmp_path, bert_tokenizer,
+                                                                 mode, normalize):
+    """A folder as ``SentenceTransformer.save`` writes it today (``pooling_mode`` as a name,
+    the modules' new type names): its pooling and Normalize, and sentence-transformers'
+    own vectors."""
+    from sentence_transformers import SentenceTransformer
+
+    encoder = make_encoder(tmp_path / "bert", bert_tokenizer, "BertModel")
+    path = save_sentence_transformer(tmp_path / "st", encoder, mode, normalize)
+    llm = LLM(str(path), dtype="float32")
+    pooler = llm.llm_engine.config.model.pooler_config
+    assert (pooler.pooling_type, pooler.normalize) == (
+        {"cls": "CLS", "mean": "MEAN", "lasttoken": "LAST"}[mode], normalize)
+    got = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS[:3], use_tqdm=False)])
+    want = SentenceTransformer(str(path), device="cpu").encode(TEXTS[:3], convert_to_tensor=True)
+    torch.testing.assert_close(got, want.float(), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["max", "weightedmean", "mean_sqrt_len_tokens",
+                                  ["cls", "mean"]])
+def test_other_sentence_transformers_poolings_are_refused_by_name(tmp_path, bert_tokenizer,
+                                                                   mode):
+    encoder = make_encoder(tmp_path / "bert", bert_tokenizer, "BertModel")
+    path = save_sentence_transformer(tmp_path / "st", encoder, mode, False)
+    asked = mode if isinstance(mode, str) else " + ".join(mode)
+    with pytest.raises(ValueError, match=re.escape(f"sentence-transformers pooling '{asked}' "
+                                                   "is not supported")):
+        LLM(str(path), dtype="float32")
 
 
 PAIRS = [("What is the capital of France?", "Paris is the capital of France."),

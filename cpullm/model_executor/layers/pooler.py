@@ -54,9 +54,22 @@ class PoolerConfig:
         return replace(self, **fields)
 
 
+# sentence-transformers' pooling modes (its ``pooling_mode`` names) -> ``pooling_type``;
+# its others (max, mean_sqrt_len_tokens, weightedmean) are refused by name
+ST_POOLING_MODES = {"cls": "CLS", "mean": "MEAN", "lasttoken": "LAST"}
+# the boolean keys of the folders saved before sentence-transformers 6 -> the mode each sets
+_ST_LEGACY_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+                    "pooling_mode_mean_tokens": "mean",
+                    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                    "pooling_mode_weightedmean_tokens": "weightedmean",
+                    "pooling_mode_lasttoken": "lasttoken"}
+
+
 def sentence_transformers_pooling(directory: str) -> PoolerConfig | None:
     """The pooling a sentence-transformers folder asks for, or None if it has no
-    ``modules.json``."""
+    ``modules.json``. Its Pooling module's config is read in both formats: ``pooling_mode``
+    (a name or a list of names, sentence-transformers 6) and the older boolean
+    ``pooling_mode_*_token(s)`` keys."""
     path = os.path.join(directory, "modules.json")
     if not os.path.isfile(path):
         return None
@@ -68,16 +81,16 @@ def sentence_transformers_pooling(directory: str) -> PoolerConfig | None:
         with open(os.path.join(directory, kinds["Pooling"].get("path", ""),
                                "config.json")) as f:
             pooling = json.load(f)
-        modes = [mode for mode, name in (("MEAN", "pooling_mode_mean_tokens"),
-                                         ("CLS", "pooling_mode_cls_token"),
-                                         ("LAST", "pooling_mode_lasttoken"))
-                 if pooling.get(name)]
-        others = [name for name in ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
-                                    "pooling_mode_weightedmean_tokens") if pooling.get(name)]
-        if len(modes) != 1 or others:
-            raise ValueError(f"{directory}: sentence-transformers pooling "
-                             f"{modes + others} is not supported (one of mean, cls, lasttoken)")
-        pooling_type = modes[0]
+        if "pooling_mode" in pooling:
+            modes = pooling["pooling_mode"]
+            modes = [modes] if isinstance(modes, str) else list(modes)
+        else:
+            modes = [mode for key, mode in _ST_LEGACY_MODES.items() if pooling.get(key)]
+        if len(modes) != 1 or modes[0] not in ST_POOLING_MODES:
+            asked = " + ".join(map(str, modes)) or "none"
+            raise ValueError(f"{directory}: sentence-transformers pooling {asked!r} is not "
+                             f"supported (one of {', '.join(ST_POOLING_MODES)})")
+        pooling_type = ST_POOLING_MODES[modes[0]]
     return PoolerConfig(pooling_type, normalize="Normalize" in kinds)
 
 
