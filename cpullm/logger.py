@@ -29,6 +29,12 @@ def init_logger(name: str) -> logging.Logger:
     return logging.getLogger(name if name.startswith(_ROOT) else f"{_ROOT}.{name}")
 
 
+def set_log_level(level: int) -> None:
+    """The level of every cpullm logger from now on (``cpullm chat``: warnings only)."""
+    init_logger(_ROOT)
+    logging.getLogger(_ROOT).setLevel(level)
+
+
 def logging_to_tqdm() -> Any:
     """A context in which cpullm's log lines go through tqdm's writer, so that a line logged
     while a progress bar is up lands above the bar instead of on its line."""

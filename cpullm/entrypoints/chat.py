@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 
 from cpullm.engine.llm_engine import LLMEngine
 from cpullm.engine_args import EngineArgs
+from cpullm.logger import set_log_level
 from cpullm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -32,8 +35,14 @@ def stream_reply(engine: LLMEngine, messages: list[dict[str, str]],
 
 
 def run_chat(engine_args: EngineArgs, params: SamplingParams, message: str | None,
-             system: str | None) -> int:
+             system: str | None, verbose: bool = False) -> int:
+    """The conversation's lines are the conversation's: the engine logs warnings and errors
+    only (unless ``verbose`` or VLLM_LOGGING_LEVEL asks for more), and everything that
+    loads or pins threads does so before the first prompt."""
+    if not verbose and "VLLM_LOGGING_LEVEL" not in os.environ:
+        set_log_level(logging.WARNING)
     engine = LLMEngine.from_engine_args(engine_args)
+    engine.bind_threads()  # (pinning the compute threads now, not in the first answer)
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     if message is not None:
         messages.append({"role": "user", "content": message})

@@ -65,7 +65,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from cpullm.entrypoints.chat import run_chat
 
     engine_args = EngineArgs.from_cli_args(args)
-    return run_chat(engine_args, _sampling_params(args), args.message, args.system)
+    return run_chat(engine_args, _sampling_params(args), args.message, args.system,
+                    args.verbose)
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
@@ -177,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("message", nargs="?", default=None,
                       help="answer this one message and exit; unset: chat interactively")
     chat.add_argument("--system", default=None, help="system prompt; unset: none")
+    chat.add_argument("-v", "--verbose", action="store_true",
+                      help="print the engine's INFO log lines too (unset: only warnings and "
+                      "errors, unless VLLM_LOGGING_LEVEL says otherwise)")
     _add_sampling_args(chat)
     EngineArgs.add_cli_args(chat, **CHAT_DEFAULTS)
     commands["chat"] = _cmd_chat
