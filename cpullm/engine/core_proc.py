@@ -135,18 +135,20 @@ def run_engine_core(config: EngineConfig, eos_token_ids: set[int], input_address
 
     context = zmq.Context()
     try:
-        serve_core(config, eos_token_ids, context, input_address, output_address, started)
+        serve_core(config, eos_token_ids, context, input_address, output_address, started,
+                   parent=os.getppid())
     finally:
         context.term()
 
 
 def serve_core(config: EngineConfig, eos_token_ids: set[int], context: zmq.Context,
                input_address: str, output_address: str,
-               started: Callable[[EngineCore | None, str | None], None]) -> None:
+               started: Callable[[EngineCore | None, str | None], None],
+               parent: int | None = None) -> None:
     """An engine core's life, in its process or on its thread: bind the input socket,
     load the model, report (``started``: the core, or why it failed), then serve the
-    sockets until SHUTDOWN (a step that raises ends it with SystemExit(1))."""
-    parent = os.getppid()
+    sockets until SHUTDOWN (a step that raises ends it with SystemExit(1)) or, for a
+    process, until its ``parent`` (the front end) is gone."""
     inbox = context.socket(zmq.PULL)
     inbox.bind(input_address)
     outbox = context.socket(zmq.PUSH)
@@ -168,7 +170,7 @@ def serve_core(config: EngineConfig, eos_token_ids: set[int], context: zmq.Conte
 
 
 def _serve(core: EngineCore, index: int, inbox: zmq.Socket, outbox: zmq.Socket,
-           parent: int) -> None:
+           parent: int | None) -> None:
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     while True:
@@ -193,7 +195,7 @@ def _serve(core: EngineCore, index: int, inbox: zmq.Socket, outbox: zmq.Socket,
             if not core.has_unfinished_requests():
                 if commands:
                     outbox.send(pack([STATS, index, encode_stats(core.stats())]))
-                elif os.getppid() != parent:
+                elif parent is not None and os.getppid() != parent:
                     return  # the front end is gone
                 else:
                     core.check_health()  # a rank that died while idle stops it now
