@@ -26,6 +26,7 @@ from gguf.quants import dequantize, quantize
 from cpullm.model_executor.layers.ops import ISA_LEVELS
 from cpullm.model_executor.layers.quantization.gguf import RawBlocks
 from cpullm.model_executor.layers.quantization.gguf_blocks import (
+    FORMATS,
     KEPT_TYPES,
     block_bytes,
     dequantize_split,
@@ -200,6 +201,20 @@ def test_tiled_kernels_match_dequantized_reference(qtype, rows, n):
         tiled.matmul_into(out, x, bias, ops, kernel=kernel)
         error = (out.float() - expected).norm() / expected.norm()
         assert error < (0.01 if kernel == "tiled_int8" else 0.004), (kernel, error)
+
+
+@pytest.mark.parametrize("qtype", [t for t in KEPT_TYPES if t not in (T.Q2_K, T.Q3_K)],
+                         ids=lambda t: t.name)
+def test_tiles_keep_the_files_bytes(qtype):
+    """In tiles a weight holds the file's bytes, but for the K-quants' 6-bit sub-scales and
+    sub-mins, a byte each (Q2_K and Q3_K, not here, keep their 2 and 3 bits in 4); and the
+    loader's estimate of the weights' memory counts the same."""
+    n, k = 64, width(qtype)
+    raw = random_blocks(qtype, n, k, np.random.default_rng(4))
+    tiled = TiledWeight.of(RawBlocks(qtype, raw, (n, k)).to_weight())
+    kept = sum(t.nbytes for t in (tiled.data, tiled.scales, tiled.mins) if t is not None)
+    assert raw.nbytes <= kept <= raw.nbytes * 1.03
+    assert kept == FORMATS[qtype].bytes_per_weight() * n * k
 
 
 def int8_libraries() -> list[object]:

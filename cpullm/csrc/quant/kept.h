@@ -140,10 +140,12 @@ inline __m512i pair_halves() {
 
 // The instance Of<BITS, BLOCK, S, MIN>::entry of a kernel template (a function, or a table
 // of them) for a weight's layout: u of 4 or 8 bits, blocks of 16, 32, 64 or 128, float16
-// or float32 scales, mins or a zero point. GGUF's types use blocks of 16 and 32
-// (gguf_blocks.FORMATS); the group-quantized formats (AWQ, GPTQ, compressed-tensors) blocks
-// of their group size, or of 128 with a scale repeated for larger groups and per-channel
-// scales.
+// or float32 scales, mins or a zero point; and the layouts of GGUF's other types: 5 bits
+// in blocks of 32 with float16 scales (Q5_0, Q5_1), and the K-quants' two-level scales
+// (S int8_t): Q2_K and Q3_K (4 bits, blocks of 16), Q4_K, Q5_K (4 and 5, 32, mins), Q6_K
+// (6, 16, a zero point). GGUF's types use blocks of 16 and 32 (gguf_blocks.FORMATS); the
+// group-quantized formats (AWQ, GPTQ, compressed-tensors) blocks of their group size, or
+// of 128 with a scale repeated for larger groups and per-channel scales.
 template <template <int, int, typename, bool> class Of, int BITS, int BLOCK>
 auto pick_scales(bool half, bool min) {
   if (half) return min ? Of<BITS, BLOCK, at::Half, true>::entry : Of<BITS, BLOCK, at::Half, false>::entry;
@@ -161,7 +163,23 @@ auto pick_block(int64_t block, bool half, bool min) {
 }
 
 template <template <int, int, typename, bool> class Of>
-auto pick_kept(int64_t bits, int64_t block, bool half, bool min) {
+auto pick_kept(int64_t bits, int64_t block, at::ScalarType scales, bool min) {
+  const bool half = scales == at::kHalf;
+  if (scales == at::kChar) {  // two-level
+    if (bits == 4 && block == 16)
+      return min ? Of<4, 16, int8_t, true>::entry : Of<4, 16, int8_t, false>::entry;
+    if (bits == 4 && block == 32 && min) return Of<4, 32, int8_t, true>::entry;
+    if (bits == 5 && block == 32 && min) return Of<5, 32, int8_t, true>::entry;
+    TORCH_CHECK(bits == 6 && block == 16 && !min, "quant_gemm_tiled: no kernel for two-level "
+                "scales of ", bits, "-bit u in blocks of ", block);
+    return Of<6, 16, int8_t, false>::entry;
+  }
+  if (bits == 5) {
+    TORCH_CHECK(block == 32 && half, "quant_gemm_tiled: 5-bit u in blocks of 32 with float16 "
+                "scales expected");
+    return min ? Of<5, 32, at::Half, true>::entry : Of<5, 32, at::Half, false>::entry;
+  }
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_gemm_tiled: no kernel for ", bits, "-bit u");
   return bits == 4 ? pick_block<Of, 4>(block, half, min) : pick_block<Of, 8>(block, half, min);
 }
 

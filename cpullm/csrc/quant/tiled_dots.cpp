@@ -44,18 +44,29 @@ TiledWeight check_tiled(const at::Tensor& out, const at::Tensor& x, const at::Te
                (out.scalar_type() == at::kFloat && !silu_mul)),
               "quant_gemm_tiled: bfloat16 x, bfloat16 or float32 (logits, without silu_mul) out, "
               "unit column strides expected");
-  TORCH_CHECK((bits == 4 || bits == 8) && (block == 16 || block == 32 || block == 64 || block == 128),
-              "quant_gemm_tiled: bits 4 or 8, blocks of 16, 32, 64 or 128");
+  TORCH_CHECK((bits == 4 || bits == 5 || bits == 6 || bits == 8) &&
+              (block == 16 || block == 32 || block == 64 || block == 128),
+              "quant_gemm_tiled: bits 4, 5, 6 or 8, blocks of 16, 32, 64 or 128");
+  const bool two_levels = scales.scalar_type() == at::kChar;
   TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.dim() == 2 &&
               scales.is_contiguous() && scales.dim() == 3 &&
-              (scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat),
+              (scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat ||
+               two_levels),
               "quant_gemm_tiled: uint8 data [n / 16, k * 2 bits] and float16 or float32 "
-              "scales [n / 16, blocks, 16] expected");
+              "scales [n / 16, blocks, 16] (or int8 two-level records) expected");
   const int64_t m = x.size(0), k = x.size(1), tiles = data.size(0), n = 16 * tiles;
   TORCH_CHECK(k % 32 == 0 && k % block == 0 && data.size(1) == k * 2 * bits &&
-              scales.size(0) == tiles && scales.size(1) == k / block && scales.size(2) == 16 &&
+              scales.size(0) == tiles &&
               out.size(0) == m && out.size(1) == (silu_mul ? n / 2 : n),
               "quant_gemm_tiled: shapes do not match (K a multiple of 32)");
+  if (two_levels) {
+    TORCH_CHECK(k % kSuperBlock == 0 && scales.size(1) == k / kSuperBlock &&
+                scales.size(2) == 32 + 16 * (kSuperBlock / block),
+                "quant_gemm_tiled: two-level records [n / 16, k / 256, 32 + 16 blocks] expected");
+  } else {
+    TORCH_CHECK(scales.size(1) == k / block && scales.size(2) == 16,
+                "quant_gemm_tiled: scales [n / 16, k / block, 16] expected");
+  }
   if (mins.has_value())
     TORCH_CHECK(mins->scalar_type() == scales.scalar_type() && mins->is_contiguous() &&
                 mins->sizes() == scales.sizes(), "quant_gemm_tiled: mins like scales expected");
@@ -81,7 +92,7 @@ void quant_gemm_tiled_int8(at::Tensor out, at::Tensor x, at::Tensor data, at::Te
   TORCH_CHECK(!silu_mul || tiles % 2 == 0,
               "quant_gemm_tiled_int8: gate and up of 16-row multiples expected");
   if (m == 0) return;
-  const auto dots = pick_kept<TiledDots>(bits, block, scales.scalar_type() == at::kHalf,
+  const auto dots = pick_kept<TiledDots>(bits, block, scales.scalar_type(),
                                          mins.has_value());
   // float32 out (logits): x in two levels, rows 2t and 2t + 1 of xq for token t, whose
   // products are added (a pair never splits: t0 below is a multiple of 4)
@@ -145,7 +156,7 @@ void quant_gemm_tiled_grouped(at::Tensor out, at::Tensor x, std::vector<at::Tens
         block, zero, biases.empty() ? c10::optional<at::Tensor>() : biases[i], false));
   }
   if (x.size(0) == 0) return;
-  const auto dots = pick_kept<TiledDots>(bits, block, scales[0].scalar_type() == at::kHalf,
+  const auto dots = pick_kept<TiledDots>(bits, block, scales[0].scalar_type(),
                                          !mins.empty());
   const BlockQuantizedX xq = quantize_blocks(x, block, false);
   const TiledOut to = tiled_out(out);

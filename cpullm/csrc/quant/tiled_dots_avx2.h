@@ -2,8 +2,8 @@
 // 16 rows are two vectors of 8 lanes, a lane per row.
 //
 // A lane's four u8 x s8 products are summed by VPMADDUBSW (pairs into int16) and VPMADDWD
-// (pairs of pairs into int32), what one VNNI instruction does. A pair of 4-bit u by x is at
-// most 2 * 15 * 127 and fits int16, but 8-bit u could saturate it, so those multiply as
+// (pairs of pairs into int32), what one VNNI instruction does. A pair of u of up to 6 bits
+// by x is at most 2 * 63 * 127 and fits int16, but 8-bit u could saturate it, so those multiply as
 // q = u - 128 (|q| by x with q's sign: at most 2 * 128 * 127), and the 128 s dx sum(x's q)
 // this leaves out joins each block's min term. A set of tiles runs one tile at a time
 // over its tokens, whose int8 x stays in L1.
@@ -20,11 +20,38 @@ struct Sums {  // 16 rows' float32 sums, rows 0-7 and 8-15
 };
 constexpr bool kStoresSiluMul = false;  // (no silu_and_mul_bf16 to round as)
 
-// 8 rows' values of a block (scales or mins) as float32.
 inline __m256 rows8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 inline __m256 rows8(const float* p) { return _mm256_loadu_ps(p); }
+
+// Rows 8 r .. 8 r + 7 of block b of a tile's values (scales or mins) as float32, two-level
+// ones multiplied out as on AVX-512 (tiled.h: block_values).
+template <typename S, int BLOCK>
+inline __m256 block_rows8(const void* values, const TiledWeight& w, int64_t tile, int64_t b,
+                          int r) {
+  const S* p = block_at<S, BLOCK>(values, w, tile, b) + 8 * r;
+  if constexpr (std::is_same_v<S, int8_t>) {
+    const __m256 v = _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    return _mm256_mul_ps(rows8(factors_at<BLOCK>(p - 8 * r, b) + 8 * r), v);
+  } else {
+    return rows8(p);
+  }
+}
+
+// u of a chunk's step i (of 8) with 5 or 6 bits, its half r (rows 8 r ..): low, the low 4
+// bits, with the high ones from the chunk's steps (tiled.h: high_step).
+template <int BITS>
+inline __m256i with_high_bits(__m256i low, const uint8_t* chunk, int i, int r) {
+  const uint8_t* bytes = chunk + high_step<BITS>(i) * 64 + 32 * r;
+  const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  const int shift = high_shift<BITS>(i);
+  const __m256i moved = shift >= 4 ? _mm256_srl_epi16(plane, _mm_cvtsi32_si128(shift - 4))
+                                   : _mm256_sll_epi16(plane, _mm_cvtsi32_si128(4 - shift));
+  return _mm256_or_si256(
+      low, _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(high_mask<BITS>()))));
+}
 
 // Tokens [t0, t0 + T) by G tiles g0, g0 + apart, ... (16 G rows of W), as float32 sums
 // acc [T][G]: per block, the integer sums of u q (4 k per lane, x's 4 broadcast) meet the
@@ -33,7 +60,7 @@ inline __m256 rows8(const float* p) { return _mm256_loadu_ps(p); }
 template <int BITS, int BLOCK, typename S, bool MIN, int T, int G, bool PREFETCH>
 void tiled_dots(const TiledWeight& w, int64_t g0, int64_t apart, const BlockQuantizedX& xq,
                 int64_t t0, Sums* acc) {
-  constexpr int kSteps = BITS == 4 ? 4 : 8;
+  constexpr int kSteps = BITS;  // 64-byte steps a chunk of 32 k
   constexpr bool kSigned = BITS == 8;
   const int64_t k = w.k;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -52,14 +79,21 @@ void tiled_dots(const TiledWeight& w, int64_t g0, int64_t apart, const BlockQuan
     for (int64_t c = 0; c < k / 32; ++c)
       for (int h = 0; h < 2; ++h) {  // k 32c + 16h .. + 15
         for (int q = 0; q < 4; ++q) {
-          const uint8_t* step = data + (c * kSteps + (BITS == 8 ? 4 * h + q : q)) * 64;
-          if (PREFETCH && (h == 0 || BITS == 8))
+          const uint8_t* chunk = data + c * kSteps * 64;
+          const uint8_t* step = chunk + (BITS == 8 ? 4 * h + q : q) * 64;
+          if (PREFETCH && (h == 0 || BITS == 8)) {
             _mm_prefetch(reinterpret_cast<const char*>(step + kTiledAhead), _MM_HINT_T0);
+            if (BITS > 4 && BITS < 8 && q < BITS - 4)  // the high bits' steps
+              _mm_prefetch(reinterpret_cast<const char*>(chunk + kTiledAhead + (4 + q) * 64),
+                           _MM_HINT_T0);
+          }
           __m256i u[2];
           for (int r = 0; r < 2; ++r) {
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + 32 * r));
             u[r] = BITS == 8 ? _mm256_xor_si256(v, flip)
                              : _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, low);
+            if constexpr (BITS > 4 && BITS < 8)
+              u[r] = with_high_bits<BITS>(u[r], chunk, 4 * h + q, r);
           }
           const __m256i magnitude[2] = {kSigned ? _mm256_abs_epi8(u[0]) : u[0],
                                         kSigned ? _mm256_abs_epi8(u[1]) : u[1]};
@@ -76,11 +110,11 @@ void tiled_dots(const TiledWeight& w, int64_t g0, int64_t apart, const BlockQuan
         }
         const int64_t kk = 32 * c + 16 * h + 16;  // k done
         if (kk % BLOCK == 0) {
-          const int64_t b = kk / BLOCK - 1, at = (tile * w.blocks + b) * 16;
+          const int64_t b = kk / BLOCK - 1;
           for (int r = 0; r < 2; ++r) {
-            const __m256 s = rows8(static_cast<const S*>(w.scales) + at + 8 * r);
-            const __m256 m = MIN ? _mm256_fmadd_ps(
-                                       s, offset, rows8(static_cast<const S*>(w.mins) + at + 8 * r))
+            const __m256 s = block_rows8<S, BLOCK>(w.scales, w, tile, b, r);
+            const __m256 m = MIN ? _mm256_fmadd_ps(s, offset,
+                                                   block_rows8<S, BLOCK>(w.mins, w, tile, b, r))
                                  : _mm256_mul_ps(s, minus_zero);
             for (int t = 0; t < T; ++t) {
               const int64_t x_at = (t0 + t) * w.blocks + b;

@@ -24,7 +24,7 @@ constexpr bool kStoresSiluMul = false;
 template <int BITS, int BLOCK, typename S, bool MIN, int T, int G, bool PREFETCH>
 void tiled_dots(const TiledWeight& w, int64_t g0, int64_t apart, const BlockQuantizedX& xq,
                 int64_t t0, Sums* acc) {
-  constexpr int kSteps = BITS == 4 ? 4 : 8;
+  constexpr int kSteps = BITS;  // 64-byte steps a chunk of 32 k
   const int64_t k = w.k;
   const __m512i low = _mm512_set1_epi8(0x0F);
   // chains of integer sums per token and tile: at least 8 in all where there are fewer
@@ -42,15 +42,21 @@ void tiled_dots(const TiledWeight& w, int64_t g0, int64_t apart, const BlockQuan
         __m512i u[G];
         for (int g = 0; g < G; ++g) {
           const uint8_t* steps = w.data + (g0 + g * apart) * w.tile_bytes + c * kSteps * 64;
-          if (PREFETCH && (h == 0 || BITS == 8))  // the tile's bytes kTiledAhead on
+          if (PREFETCH && (h == 0 || BITS == 8)) {  // the tile's bytes kTiledAhead on
             _mm_prefetch(reinterpret_cast<const char*>(steps + kTiledAhead +
                                                        (BITS == 8 ? 4 * h + q : q) * 64),
                          _MM_HINT_T0);
+            if (BITS > 4 && BITS < 8 && q < BITS - 4)  // the high bits' steps
+              _mm_prefetch(reinterpret_cast<const char*>(steps + kTiledAhead + (4 + q) * 64),
+                           _MM_HINT_T0);
+          }
           if (BITS == 8) {
             u[g] = _mm512_loadu_si512(steps + (4 * h + q) * 64);
           } else {
             const __m512i packed = _mm512_loadu_si512(steps + q * 64);
             u[g] = _mm512_and_si512(h ? _mm512_srli_epi16(packed, 4) : packed, low);
+            if constexpr (BITS > 4 && BITS < 8)
+              u[g] = with_high_bits<BITS>(u[g], steps, 4 * h + q);
           }
         }
         for (int t = 0; t < T; ++t) {
@@ -66,7 +72,7 @@ void tiled_dots(const TiledWeight& w, int64_t g0, int64_t apart, const BlockQuan
         const int64_t b = kk / BLOCK - 1;
         for (int g = 0; g < G; ++g) {
           __m512 s, m;
-          tile_scales<S, MIN>(w, g0 + g * apart, b, s, m);
+          tile_scales<S, MIN, BLOCK>(w, g0 + g * apart, b, s, m);
           for (int t = 0; t < T; ++t) {
             const int64_t at = (t0 + t) * w.blocks + b;
             __m512& a = acc[t * G + g];

@@ -9,7 +9,8 @@ namespace quant {
 namespace {
 
 // The u of each lane that SHIFT moves to the bits of mask, as the float32 one + u: one is
-// 128 (4 bits: u at bits 16-19 of its mantissa) or 256 (8 bits: u at bits 15-22).
+// 128 (4 bits: u at bits 16-19 of its mantissa) or 256 (5 to 8 bits: one u a byte, at
+// bits 15-22).
 template <int SHIFT>
 inline __m512 biased_u(__m512i v, __m512i mask, __m512i one) {
   if constexpr (SHIFT > 0) v = _mm512_slli_epi32(v, SHIFT);
@@ -24,7 +25,7 @@ inline __m512 biased_u(__m512i v, __m512i mask, __m512i one) {
 template <int BITS, typename S, bool MIN, int BLOCK>
 void dequantize_tiled(const TiledWeight& w, const int64_t* tile, int64_t ahead,
                       int32_t* panel, int64_t part0, int64_t part1) {
-  constexpr int kSteps = BITS == 4 ? 4 : 8;
+  constexpr int kSteps = BITS;  // 64-byte steps a chunk of 32 k
   const float one = BITS == 4 ? 128.f : 256.f;
   const __m512i mask = _mm512_set1_epi32(BITS == 4 ? 0x000F0000 : 0x007F8000);
   const __m512i bits = _mm512_set1_epi32(BITS == 4 ? 0x43000000 : 0x43800000);
@@ -38,21 +39,31 @@ void dequantize_tiled(const TiledWeight& w, const int64_t* tile, int64_t ahead,
     const int64_t half = part / chunks, c = part % chunks;
     __m512 s[2], m[2];  // of k 32c .. + 15 and 32c + 16 .. + 31
     for (int h = 0; h < 2; ++h) {
-      tile_scales<S, MIN>(w, tile[half], (32 * c + 16 * h) / BLOCK, s[h], m[h]);
+      tile_scales<S, MIN, BLOCK>(w, tile[half], (32 * c + 16 * h) / BLOCK, s[h], m[h]);
       m[h] = _mm512_fnmadd_ps(s[h], _mm512_set1_ps(one), m[h]);
     }
     const uint8_t* steps = w.data + tile[half] * w.tile_bytes + c * kSteps * 64;
     int32_t* out = panel + c * 16 * 32 + 16 * half;  // pair 16c, this half's columns
-    for (int q = 0; q < kSteps; ++q) {
+    // step i of 8 (k 4i .. 4i + 3 of each lane) as one u a byte
+    auto store_bytes = [&](int i, __m512i u) {
+      const int h = i / 4;
+      store(out + 2 * i * 32, _mm512_fmadd_ps(biased_u<15>(u, mask, bits), s[h], m[h]),
+            _mm512_fmadd_ps(biased_u<7>(u, mask, bits), s[h], m[h]));
+      store(out + (2 * i + 1) * 32, _mm512_fmadd_ps(biased_u<-1>(u, mask, bits), s[h], m[h]),
+            _mm512_fmadd_ps(biased_u<-9>(u, mask, bits), s[h], m[h]));
+    };
+    for (int q = 0; q < kSteps; ++q)
       _mm_prefetch(reinterpret_cast<const char*>(steps + ahead * w.tile_bytes + q * 64),
                    _MM_HINT_T1);
+    for (int q = 0; q < (BITS == 8 ? 8 : 4); ++q) {
       const __m512i u = _mm512_loadu_si512(steps + q * 64);
-      if (BITS == 8) {
-        const int h = q / 4;
-        store(out + 2 * q * 32, _mm512_fmadd_ps(biased_u<15>(u, mask, bits), s[h], m[h]),
-              _mm512_fmadd_ps(biased_u<7>(u, mask, bits), s[h], m[h]));
-        store(out + (2 * q + 1) * 32, _mm512_fmadd_ps(biased_u<-1>(u, mask, bits), s[h], m[h]),
-              _mm512_fmadd_ps(biased_u<-9>(u, mask, bits), s[h], m[h]));
+      if constexpr (BITS == 8) {
+        store_bytes(q, u);
+      } else if constexpr (BITS > 4) {  // 5 or 6 bits: the low halves, the high bits
+        const __m512i low = _mm512_set1_epi8(0x0F);
+        store_bytes(q, with_high_bits<BITS>(_mm512_and_si512(u, low), steps, q));
+        store_bytes(4 + q, with_high_bits<BITS>(_mm512_and_si512(_mm512_srli_epi16(u, 4), low),
+                                                steps, 4 + q));
       } else {
         store(out + 2 * q * 32, _mm512_fmadd_ps(biased_u<16>(u, mask, bits), s[0], m[0]),
               _mm512_fmadd_ps(biased_u<8>(u, mask, bits), s[0], m[0]));
@@ -85,7 +96,7 @@ void tiled_panels(const char* name, at::Tensor& out, const at::Tensor& x, const 
   TORCH_CHECK(n % 32 == 0, name, ": 32-row panels of W (16 of gate and 16 of up with silu_mul) "
               "expected");
   if (x.size(0) == 0) return;
-  const auto dequantize = pick_kept<TiledDequantizer>(bits, block, scales.scalar_type() == at::kHalf,
+  const auto dequantize = pick_kept<TiledDequantizer>(bits, block, scales.scalar_type(),
                                                       mins.has_value());
   const PanelParts panel_parts = [&](int64_t p, int32_t* panel, int64_t part0, int64_t part1) {
     const int64_t tile[2] = {silu_mul ? p : 2 * p, silu_mul ? n / 32 + p : 2 * p + 1};

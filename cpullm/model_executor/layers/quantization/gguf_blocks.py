@@ -7,19 +7,20 @@ block of 16 or 32 weights, and either a zero point or a min:
                                       Q3_K (4), Q6_K (32)
     asymmetric:  w = s * u + m        Q4_1, Q5_1, Q4_K, Q5_K, Q2_K
 
-(the K-quants' two-level scales multiplied out per sub-block). ``split_blocks`` turns a
-tensor's raw blocks into u, s and m; ``BlockFormat`` names the layout they are kept in:
-u packed two per byte where it fits in four bits (and the row length allows it), one per
-byte otherwise; s and m in float16 where the file stores them so (the legacy types), in
-float32 where they are products (the K-quants). The values are exactly what gguf's own
-dequantizer computes from the same blocks, with the same float32 operations.
+``split_blocks`` turns a tensor's raw blocks into u, s and m; ``BlockFormat`` names the
+layout they are kept in, at the file's size: u of 4, 5, 6 or 8 bits (Q2_K's 2 and Q3_K's
+3 bits in 4); the legacy types' scales and mins in float16, as stored; the K-quants' as
+they are stored too, two levels: an 8-bit integer per block (sub-scale, sub-min) and a
+float16 per super-block of 256 weights (d, and -dmin), whose float32 product is the
+block's scale (min). The values are exactly what gguf's own dequantizer computes from the
+same blocks, with the same float32 operations.
 
 ``pack`` lays u out as a weight is kept until it loads (the blocks of a row in groups of
 16, one block per 32-bit lane, the rest in groups of 8, 4, 2 and 1 blocks spread over the 16
 lanes; a group as steps of 64 bytes, in which each lane holds 4 consecutive u of its
-block; with 4 bits two steps share bytes); ``unpack`` reads it back, and the kernels' own
-layout, 16-row tiles, is made from that after loading (quantization/kept.py,
-``TiledWeight``).
+block; with 4 bits two steps share bytes, with 5 to 8 one u a byte); ``unpack`` reads it
+back, and the kernels' own layout, 16-row tiles, is made from that after loading
+(quantization/kept.py, ``TiledWeight``).
 """
 
 from __future__ import annotations
@@ -37,44 +38,54 @@ FLOAT_TYPES = {T.F32: np.float32, T.F16: np.float16, T.BF16: None}
 
 @dataclass(frozen=True)
 class BlockFormat:
-    """How one kept-quantized weight is laid out: ``bits`` per u (4: two per byte, 8),
-    weights per ``block`` (16 or 32), the dtype of its scales and mins, and ``zero``
-    (w = s * (u - zero)) or None (w = s * u + m, with a min per block)."""
+    """How one kept-quantized weight is laid out: ``bits`` per u (4, 5, 6 or 8), weights
+    per ``block`` (16 to 128), the dtype of its scales and mins, and ``zero``
+    (w = s * (u - zero)) or None (w = s * u + m, with a min per block). ``scale_dtype``
+    "int8": two levels, an int8 per block times a float16 per ``super_block`` weights."""
 
     bits: int
     block: int
-    scale_dtype: str  # "float16" or "float32"
+    scale_dtype: str  # "float16", "float32" or "int8"
     zero: int | None
-
-    def row_bytes(self, k: int) -> int:
-        return k * self.bits // 8
+    super_block: int = 0
 
     def bytes_per_weight(self) -> float:
         """Memory per weight, scales and mins included."""
+        fields = 1 if self.zero is not None else 2  # scale (and min)
+        if self.super_block:
+            return self.bits / 8 + fields / self.block + 2 * fields / self.super_block
         scale = 2 if self.scale_dtype == "float16" else 4
-        return self.bits / 8 + scale * (1 if self.zero is not None else 2) / self.block
+        return self.bits / 8 + scale * fields / self.block
+
+    @property
+    def per_super(self) -> int:
+        """Blocks per super-block (two-level scales), else 0."""
+        return self.super_block // self.block
 
     @property
     def name(self) -> str:
         kind = f"zero {self.zero}" if self.zero is not None else "min"
+        if self.super_block:
+            return f"u{self.bits}/{self.block} 8-bit scales of 16-bit ones per " \
+                   f"{self.super_block}, {kind}"
         return f"u{self.bits}/{self.block} {self.scale_dtype.removeprefix('float')}-bit " \
                f"scales, {kind}"
 
 
-# How each type is kept: u of up to 4 bits two per byte (Q2_K's 2 and Q3_K's 3 bits too),
-# of 5 to 8 bits one per byte; the legacy types' float16 scales as stored, the K-quants'
-# products of two scales in float32.
+# How each type is kept: u at the type's bits (Q2_K's 2 and Q3_K's 3 in 4); the legacy
+# types' float16 scales as stored, the K-quants' two levels as stored.
+QK_K = 256
 FORMATS = {
     T.Q4_0: BlockFormat(4, 32, "float16", 8),
     T.Q4_1: BlockFormat(4, 32, "float16", None),
-    T.Q5_0: BlockFormat(8, 32, "float16", 16),
-    T.Q5_1: BlockFormat(8, 32, "float16", None),
+    T.Q5_0: BlockFormat(5, 32, "float16", 16),
+    T.Q5_1: BlockFormat(5, 32, "float16", None),
     T.Q8_0: BlockFormat(8, 32, "float16", 128),
-    T.Q2_K: BlockFormat(4, 16, "float32", None),
-    T.Q3_K: BlockFormat(4, 16, "float32", 4),
-    T.Q4_K: BlockFormat(4, 32, "float32", None),
-    T.Q5_K: BlockFormat(8, 32, "float32", None),
-    T.Q6_K: BlockFormat(8, 16, "float32", 32),
+    T.Q2_K: BlockFormat(4, 16, "int8", None, QK_K),
+    T.Q3_K: BlockFormat(4, 16, "int8", 4, QK_K),
+    T.Q4_K: BlockFormat(4, 32, "int8", None, QK_K),
+    T.Q5_K: BlockFormat(5, 32, "int8", None, QK_K),
+    T.Q6_K: BlockFormat(6, 16, "int8", 32, QK_K),
 }
 KEPT_TYPES = tuple(FORMATS)
 
@@ -82,12 +93,16 @@ KEPT_TYPES = tuple(FORMATS)
 @dataclass
 class SplitBlocks:
     """A [rows, k] weight as u (uint8, one per weight, not yet packed), scales and mins
-    ([rows, k / block]) of ``fmt``; ``mins`` is None for a symmetric type."""
+    ([rows, k / block]) of ``fmt``; ``mins`` is None for a symmetric type. Two-level
+    scales: ``scales`` and ``mins`` int8, ``supers`` and ``min_supers`` their float16
+    factors [rows, k / super_block]."""
 
     u: np.ndarray
     scales: np.ndarray
     mins: np.ndarray | None
     fmt: BlockFormat
+    supers: np.ndarray | None = None
+    min_supers: np.ndarray | None = None
 
     def packed(self) -> np.ndarray:
         """u in the kernels' layout: [rows, bytes per row]."""
@@ -158,8 +173,9 @@ def _f16(raw: np.ndarray) -> np.ndarray:
     return raw.view(np.float16).reshape(raw.shape[0], -1)
 
 
-def _f32_product(d: np.ndarray, sc: np.ndarray) -> np.ndarray:
-    return d.astype(np.float32) * sc.astype(np.float32)
+def block_values(sub: np.ndarray, supers: np.ndarray, per_super: int) -> np.ndarray:
+    """Two-level scales as gguf's dequantizer multiplies them: float32 d * float32 sc."""
+    return np.repeat(supers.astype(np.float32), per_super, axis=-1) * sub.astype(np.float32)
 
 
 def _nibbles16(qs: np.ndarray) -> np.ndarray:
@@ -207,24 +223,23 @@ def _two_bit_planes(qs: np.ndarray) -> np.ndarray:
 
 
 def _split_k(qtype: GGMLQuantizationType, blocks: np.ndarray) -> tuple:
-    """[n, bytes] super-blocks of 256 -> (u [n, 256], s [n, 256 / sub], m | None, zero,
-    max u), s and m float32."""
+    """[n, bytes] super-blocks of 256 -> (u [n, 256], sub-scales [n, 256 / sub] (int8),
+    d [n, 1], sub-mins | None, -dmin | None, zero, max u), d and -dmin float16."""
     n = blocks.shape[0]
     if qtype == T.Q2_K:  # scales[16], qs[64], d, dmin; 16 sub-blocks of 16
         sc = blocks[:, 0:16]
         d, dmin = _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
-        return (_two_bit_planes(blocks[:, 16:80]), _f32_product(d, sc & 0x0F),
-                -_f32_product(dmin, sc >> 4), None, 3)
+        return (_two_bit_planes(blocks[:, 16:80]), sc & 0x0F, d, sc >> 4, -dmin, None, 3)
     if qtype == T.Q3_K:  # hmask[32], qs[64], scales[12], d; 16 sub-blocks of 16
         hmask, raw = blocks[:, 0:32], blocks[:, 96:108]
         low = (raw[:, 0:8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1))
         high = raw[:, 8:12].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(
             1, 4, 1)
         sc = (low.reshape(n, 16) & 0x0F) | ((high.reshape(n, 16) & 0x03) << 4)
-        s = _f32_product(_f16(blocks[:, 108:110]), sc.astype(np.int8) - np.int8(32))
         # weight 32j + l has its third bit in bit j of hmask[l]
         hbit = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
-        return _two_bit_planes(blocks[:, 32:96]) | (hbit.reshape(n, 256) << 2), s, None, 4, 7
+        return (_two_bit_planes(blocks[:, 32:96]) | (hbit.reshape(n, 256) << 2),
+                sc.astype(np.int8) - np.int8(32), _f16(blocks[:, 108:110]), None, None, 4, 7)
     if qtype in (T.Q4_K, T.Q5_K):  # d, dmin, scales[12], (qh[32],) qs[128]; 8 of 32
         d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
         sc, mn = _k_scale_min(blocks[:, 4:16])
@@ -236,8 +251,7 @@ def _split_k(qtype: GGMLQuantizationType, blocks: np.ndarray) -> tuple:
             qh = blocks[:, 16:48]
             hbit = (qh.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
             u = u | (hbit.reshape(n, 256) << 4)
-        return u, _f32_product(d, sc), -_f32_product(dmin, mn), None, \
-            15 if qtype == T.Q4_K else 31
+        return u, sc, d, mn, -dmin, None, 15 if qtype == T.Q4_K else 31
     assert qtype == T.Q6_K  # ql[128], qh[64], scales[16] (int8), d; 16 sub-blocks of 16
     ql, qh = blocks[:, 0:128], blocks[:, 128:192]
     # weight 128h + 64i + l: half i of ql[64h + l], bits 2j of qh[32h + l'] (l = 32j' + l')
@@ -245,8 +259,8 @@ def _split_k(qtype: GGMLQuantizationType, blocks: np.ndarray) -> tuple:
     low = (low & 0x0F).reshape(n, 256)
     high = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1))
     high = (high & 0x03).reshape(n, 256)
-    s = _f32_product(_f16(blocks[:, 208:210]), blocks[:, 192:208].view(np.int8))
-    return low | (high << 4), s, None, 32, 63
+    return (low | (high << 4), blocks[:, 192:208].view(np.int8), _f16(blocks[:, 208:210]),
+            None, None, 32, 63)
 
 
 def split_blocks(qtype: GGMLQuantizationType, raw: np.ndarray, k: int) -> SplitBlocks:
@@ -257,24 +271,44 @@ def split_blocks(qtype: GGMLQuantizationType, raw: np.ndarray, k: int) -> SplitB
     per_block, nbytes = block_bytes(qtype)
     rows = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(-1, nbytes)
-    split = _split_legacy if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0) else _split_k
-    u, s, m, zero, max_u = split(qtype, blocks)
+
+    def per_row(values: np.ndarray | None, dtype: type) -> np.ndarray | None:
+        return None if values is None else \
+            np.ascontiguousarray(values.astype(dtype, copy=False).reshape(rows, -1))
+
+    if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
+        u, s, m, zero, max_u = _split_legacy(qtype, blocks)
+        supers = min_supers = None
+    else:
+        u, s, supers, m, min_supers, zero, max_u = _split_k(qtype, blocks)
     assert u.shape[1] == per_block and zero == fmt.zero and max_u < 1 << fmt.bits
-    assert str(s.dtype) == fmt.scale_dtype
-    return SplitBlocks(u.reshape(rows, k).astype(np.uint8, copy=False),
-                       np.ascontiguousarray(s.reshape(rows, k // fmt.block)),
-                       None if m is None else np.ascontiguousarray(m.reshape(rows, k // fmt.block)),
-                       fmt)
+    assert str(s.dtype) == fmt.scale_dtype or fmt.super_block
+    scale_dtype = np.int8 if fmt.super_block else np.float16
+    return SplitBlocks(u.reshape(rows, k).astype(np.uint8, copy=False), per_row(s, scale_dtype),
+                       per_row(m, scale_dtype), fmt, per_row(supers, np.float16),
+                       per_row(min_supers, np.float16))
+
+
+def block_scales(split: SplitBlocks) -> tuple[np.ndarray, np.ndarray | None]:
+    """The scales and mins [rows, blocks] as the dequantizer multiplies by them (float32
+    products for two-level ones)."""
+    if not split.fmt.super_block:
+        return split.scales, split.mins
+    assert split.supers is not None
+    per = split.fmt.per_super
+    mins = None if split.mins is None else block_values(split.mins, split.min_supers, per)
+    return block_values(split.scales, split.supers, per), mins
 
 
 def dequantize_split(split: SplitBlocks) -> np.ndarray:
     """float32 weights from u, s and m, with gguf's own float32 operations."""
     rows, k = split.u.shape
     u = split.u.reshape(rows, k // split.fmt.block, split.fmt.block)
-    s = split.scales.astype(np.float32)[..., None]
+    scales, mins = block_scales(split)
+    s = scales.astype(np.float32)[..., None]
     if split.fmt.zero is not None:
         w = (u.astype(np.float32) - np.float32(split.fmt.zero)) * s
     else:
-        assert split.mins is not None
-        w = s * u.astype(np.float32) + split.mins.astype(np.float32)[..., None]
+        assert mins is not None
+        w = s * u.astype(np.float32) + mins.astype(np.float32)[..., None]
     return w.reshape(rows, k)

@@ -68,7 +68,8 @@ class QuantizedWeight(nn.Module):
 
     def __init__(self, fmt: BlockFormat, data: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor | None, k: int, qtype: str, origin: str = "GGUF",
-                 per_token: bool = False) -> None:
+                 per_token: bool = False, supers: torch.Tensor | None = None,
+                 min_supers: torch.Tensor | None = None) -> None:
         super().__init__()
         # qtype: the checkpoint's name for the type (Q4_K; int4 g128); origin: its format
         self.fmt, self.k, self.qtype, self.origin = fmt, k, qtype, origin
@@ -76,6 +77,10 @@ class QuantizedWeight(nn.Module):
         self.register_buffer("data", data)
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
+        # two-level scales (fmt.super_block): scales and mins int8, these float16 factors
+        # [n, k / super_block]
+        self.register_buffer("supers", supers)
+        self.register_buffer("min_supers", min_supers)
         per_row = per_token and fmt.bits == 8 and fmt.zero == 128 and k % 64 == 0 \
             and scales.dim() == 2 \
             and scales.shape[0] % 16 == 0 and bool((scales == scales[:, :1]).all())
@@ -84,10 +89,12 @@ class QuantizedWeight(nn.Module):
     @classmethod
     def from_split(cls, split: SplitBlocks, qtype: str, origin: str = "GGUF"
                    ) -> QuantizedWeight:
+        def tensor(values: np.ndarray | None) -> torch.Tensor | None:
+            return None if values is None else torch.from_numpy(values)
+
         return cls(split.fmt, torch.from_numpy(np.ascontiguousarray(split.packed())),
-                   torch.from_numpy(split.scales),
-                   None if split.mins is None else torch.from_numpy(split.mins),
-                   split.u.shape[1], qtype, origin)
+                   torch.from_numpy(split.scales), tensor(split.mins), split.u.shape[1], qtype,
+                   origin, supers=tensor(split.supers), min_supers=tensor(split.min_supers))
 
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -96,11 +103,14 @@ class QuantizedWeight(nn.Module):
         assert all(p.fmt == first.fmt and p.k == first.k for p in parts)
         if len(parts) == 1:
             return first
-        mins = None if first.mins is None else torch.cat([p.mins for p in parts])
-        return type(first)(first.fmt, torch.cat([p.data for p in parts]),
-                           torch.cat([p.scales for p in parts]), mins, first.k,
+
+        def cat(name: str) -> torch.Tensor | None:
+            return None if getattr(first, name) is None else \
+                torch.cat([getattr(p, name) for p in parts])
+
+        return type(first)(first.fmt, cat("data"), cat("scales"), cat("mins"), first.k,
                            "+".join(dict.fromkeys(p.qtype for p in parts)), first.origin,
-                           all(p.per_token for p in parts))
+                           all(p.per_token for p in parts), cat("supers"), cat("min_supers"))
 
     @property
     def n(self) -> int:
@@ -109,13 +119,23 @@ class QuantizedWeight(nn.Module):
     def dequantize(self, dtype: torch.dtype, index: torch.Tensor | slice | None = None
                    ) -> torch.Tensor:
         """The weight (or its rows ``index``) in ``dtype``: [rows, k]."""
-        data, scales, mins = self.data, self.scales, self.mins
-        if index is not None:
-            data, scales = data[index], scales[index]
-            mins = None if mins is None else mins[index]
+        def rows_of(values: torch.Tensor | None) -> torch.Tensor | None:
+            return values if values is None or index is None else values[index]
+
+        data = rows_of(self.data)
+        scales = self._two_levels(rows_of(self.scales), rows_of(self.supers))
+        mins = rows_of(self.mins)
+        mins = None if mins is None else self._two_levels(mins, rows_of(self.min_supers))
         rows, k, block = data.shape[0], self.k, self.fmt.block
         u = torch.from_numpy(unpack(data.numpy(), self.fmt.bits, block, k))
         return self._weights(u.view(rows, k // block, block), scales, mins).view(rows, k).to(dtype)
+
+    def _two_levels(self, values: torch.Tensor, supers: torch.Tensor | None) -> torch.Tensor:
+        """Per-block values (scales or mins) as the dequantizer multiplies by them: where
+        they are two-level, gguf's float32 product of the super-block's d and the block's."""
+        if supers is None:
+            return values
+        return supers.float().repeat_interleave(self.fmt.per_super, dim=-1) * values.float()
 
     def _weights(self, u: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
                  ) -> torch.Tensor:
@@ -313,32 +333,64 @@ class TiledWeight(QuantizedWeight):
 
     @classmethod
     def of(cls, weight: QuantizedWeight) -> TiledWeight:
-        k, bits, pad = weight.k, weight.fmt.bits, -weight.n % 32
-        u = torch.from_numpy(unpack(weight.data.numpy(), bits, weight.fmt.block, k))  # [n, k]
-        scales, mins = weight.scales, weight.mins
-
-        def padded(values: torch.Tensor) -> torch.Tensor:  # zero rows: w = 0 s + 0 = 0
-            return torch.cat([values, values.new_zeros(pad, values.shape[1])])
-
-        if pad:
-            u, scales = padded(u), padded(scales)
-            mins = None if mins is None else padded(mins)
-        n = u.shape[0]
-        if bits == 8:
-            steps = u.view(n // 16, 16, k // 32, 8, 4).permute(0, 2, 3, 1, 4)
-        else:  # k = 32 c + 16 h + 4 q + j: h = 0 in the low halves, 1 in the high ones
-            halves = u.view(n // 16, 16, k // 32, 2, 4, 4)
-            steps = (halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
-        tiled = cls(weight.fmt, steps.reshape(n // 16, -1).contiguous(), cls._grouped(scales),
-                    None if mins is None else cls._grouped(mins), k, weight.qtype,
-                    weight.origin, weight.per_token)
+        k, fmt, pad = weight.k, weight.fmt, -weight.n % 32
+        u = torch.from_numpy(unpack(weight.data.numpy(), fmt.bits, fmt.block, k))  # [n, k]
+        fields = [weight.scales, weight.mins, weight.supers, weight.min_supers]
+        if pad:  # zero rows: w = 0 s + 0 = 0
+            u, *fields = (None if v is None else torch.cat([v, v.new_zeros(pad, v.shape[1])])
+                          for v in [u, *fields])
+        scales, mins, supers, min_supers = fields
+        tiled = cls(fmt, cls._steps(u, fmt.bits), cls._grouped(scales, supers, fmt.per_super),
+                    None if mins is None else cls._grouped(mins, min_supers, fmt.per_super),
+                    k, weight.qtype, weight.origin, weight.per_token)
         tiled.pad = pad
         return tiled
 
     @staticmethod
-    def _grouped(values: torch.Tensor) -> torch.Tensor:
-        """[n, blocks] -> [n / 16, blocks, 16]."""
-        return values.view(-1, 16, values.shape[1]).transpose(1, 2).contiguous()
+    def _steps(u: torch.Tensor, bits: int) -> torch.Tensor:
+        """u [n, k] as the tiles' steps [n / 16, k * 2 * bits]. Under 8 bits, a chunk's four
+        steps hold the low 4 bits of u (k = 32 c + 16 h + 4 q + j: step q, h = 0 in the low
+        halves, 1 in the high ones), then 5 or 6 bits its bits - 4 steps of the high ones:
+        those of k with 4 h + q = i at bits e i % 8 of step 4 + e i // 8 (e = bits - 4)."""
+        n, k = u.shape
+        if bits == 8:
+            return u.view(n // 16, 16, k // 32, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // 16, -1)
+        parts = u.view(n // 16, 16, k // 32, 2, 4, 4)
+        low = parts & 0x0F
+        steps = (low[:, :, :, 0] | (low[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
+        if bits > 4:
+            e = bits - 4
+            high = (parts >> 4).reshape(n // 16, 16, k // 32, e, 8 // e, 4)
+            shifts = torch.arange(0, 8, e, dtype=torch.uint8).view(1, 1, 1, 1, -1, 1)
+            planes = (high << shifts).sum(dim=4, dtype=torch.uint8)  # (disjoint bits: an or)
+            steps = torch.cat([steps, planes.permute(0, 2, 3, 1, 4)], dim=2)
+        return steps.reshape(n // 16, -1).contiguous()
+
+    @staticmethod
+    def _grouped(values: torch.Tensor, supers: torch.Tensor | None, per_super: int
+                 ) -> torch.Tensor:
+        """Per-block values [n, blocks] -> [n / 16, blocks, 16]; two-level ones (``supers``
+        [n, k / super_block]) as records [n / 16, super-blocks, 32 + 16 per_super] (int8):
+        the super-block's 16 float16 factors, then its blocks' int8 values [per_super][16]."""
+        lanes = values.view(-1, 16, values.shape[1]).transpose(1, 2).contiguous()
+        if supers is None:
+            return lanes
+        tiles, count = lanes.shape[0], supers.shape[1]
+        factors = supers.view(-1, 16, count).transpose(1, 2).contiguous().view(torch.int8)
+        return torch.cat([factors, lanes.view(tiles, count, 16 * per_super)], dim=2).contiguous()
+
+    def _lane_values(self, values: torch.Tensor, tile: torch.Tensor, lane: torch.Tensor
+                     ) -> torch.Tensor:
+        """``_grouped``'s values of rows 16 tile + lane as [rows, blocks] of products."""
+        if not self.fmt.super_block:
+            return values[tile, :, lane]
+        records, per = values[tile], self.fmt.per_super  # [rows, super-blocks, bytes]
+        rows, count = records.shape[:2]
+        factors = records[:, :, :32].contiguous().view(torch.float16)
+        factors = factors.gather(2, lane.view(-1, 1, 1).expand(rows, count, 1)).squeeze(2)
+        sub = records[:, :, 32:].reshape(rows, count, per, 16)
+        sub = sub.gather(3, lane.view(-1, 1, 1, 1).expand(rows, count, per, 1))
+        return self._two_levels(sub.reshape(rows, count * per), factors)
 
     @property
     def n(self) -> int:
@@ -353,12 +405,18 @@ class TiledWeight(QuantizedWeight):
             rows = torch.arange(self.n) if index is None else torch.arange(self.n)[index]
         shape, rows = rows.shape, rows.reshape(-1)
         tile, lane = rows // 16, rows % 16
-        raw = self.data.view(-1, k // 32, 8 if bits == 8 else 4, 16, 4)[tile, :, :, lane]
-        if bits == 4:  # [rows, k / 32, 4, 4] -> [rows, k / 32, 2, 4, 4]: the low halves first
-            raw = torch.stack([raw & 0x0F, raw >> 4], dim=2)
-        mins = None if self.mins is None else self.mins[tile, :, lane]
+        raw = self.data.view(-1, k // 32, bits, 16, 4)[tile, :, :, lane]  # [rows, chunks, bits, 4]
+        if bits < 8:  # the low halves first: [rows, chunks, 2, 4, 4]
+            u = torch.stack([raw[:, :, :4] & 0x0F, raw[:, :, :4] >> 4], dim=2)
+            if bits > 4:
+                e = bits - 4
+                shifts = torch.arange(0, 8, e, dtype=torch.uint8).view(1, 1, 1, -1, 1)
+                high = (raw[:, :, 4:].unsqueeze(3) >> shifts) & ((1 << e) - 1)
+                u = u | (high.reshape(u.shape) << 4)
+            raw = u
+        mins = None if self.mins is None else self._lane_values(self.mins, tile, lane)
         w = self._weights(raw.reshape(len(rows), k // block, block),
-                          self.scales[tile, :, lane], mins)
+                          self._lane_values(self.scales, tile, lane), mins)
         return w.view(*shape, k).to(dtype)
 
     def kernel_for(self, rows: int, ops: KernelTable | None, dtype: torch.dtype) -> str:
