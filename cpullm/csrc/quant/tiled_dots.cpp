@@ -35,6 +35,66 @@ struct TiledDots {
 };
 }  // namespace
 
+// A set of tiles laid out again for the many tokens a thread runs over it: u of 5 or 6 bits
+// widened to a byte and two-level scales multiplied out, once per set and block of rows
+// instead of in every item of 4 tokens (where the dot products are compute-bound, the
+// few instructions that read the file-sized layout would cost up to a third more).
+struct WideTiles {
+  std::vector<uint8_t> data;
+  std::vector<float> scales, mins;
+  TiledWeight view{};
+
+  // Tiles g0, g0 + apart, ... (gs of them) of w as tiles 0 .. gs - 1 of view.
+  void of(const TiledWeight& w, int64_t g0, int64_t apart, int gs, int64_t bits, int64_t block,
+          at::ScalarType scale_type) {
+    const int64_t chunks = w.k / 32, wide_bits = bits == 4 ? 4 : 8;
+    const int64_t tile_bytes = w.k * 2 * wide_bits;
+    data.resize(gs * tile_bytes);
+    scales.resize(gs * w.blocks * 16);
+    mins.resize(w.mins != nullptr ? scales.size() : 0);
+    for (int g = 0; g < gs; ++g) {
+      const int64_t tile = g0 + g * apart;
+      const uint8_t* src = w.data + tile * w.tile_bytes;
+      uint8_t* dst = data.data() + g * tile_bytes;
+      if (bits == 4)
+        std::memcpy(dst, src, tile_bytes);
+      for (int64_t c = 0; bits != 4 && c < chunks; ++c)
+        (bits == 5 ? widen_chunk<5> : widen_chunk<6>)(src + c * bits * 64, dst + c * 8 * 64);
+      expand(w.scales, scales.data() + g * w.blocks * 16, w, tile, block, scale_type);
+      if (w.mins != nullptr)
+        expand(w.mins, mins.data() + g * w.blocks * 16, w, tile, block, scale_type);
+    }
+    view = TiledWeight{data.data(), scales.data(), w.mins != nullptr ? mins.data() : nullptr,
+                       w.k, w.blocks, tile_bytes, w.zero};
+  }
+
+  // tile g's scales (or mins) as float32 [blocks][16]: two-level ones as gguf's products
+  static void expand(const void* values, float* out, const TiledWeight& w, int64_t g,
+                     int64_t block, at::ScalarType scale_type) {
+    const int64_t n = w.blocks * 16;
+    if (scale_type == at::kFloat) {
+      std::memcpy(out, static_cast<const float*>(values) + g * n, n * sizeof(float));
+    } else if (scale_type == at::kHalf) {
+      const at::Half* half = static_cast<const at::Half*>(values) + g * n;
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(half[i]);
+    } else {
+      const int64_t per = kSuperBlock / block, supers = w.k / kSuperBlock;
+      const int8_t* record = static_cast<const int8_t*>(values) + g * supers * (32 + 16 * per);
+      for (int64_t s = 0; s < supers; ++s, record += 32 + 16 * per) {
+        float factor[16];
+        for (int lane = 0; lane < 16; ++lane)
+          factor[lane] = static_cast<float>(reinterpret_cast<const at::Half*>(record)[lane]);
+        for (int64_t b = 0; b < per; ++b, out += 16)
+          for (int lane = 0; lane < 16; ++lane)
+            out[lane] = factor[lane] * static_cast<float>(record[32 + 16 * b + lane]);
+      }
+    }
+  }
+};
+
+// Above this many quads of tokens over a set of tiles in a block of rows, WideTiles.
+constexpr int64_t kWideQuads = 4;
+
 TiledWeight check_tiled(const at::Tensor& out, const at::Tensor& x, const at::Tensor& data,
                         const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                         int64_t bits, int64_t block, int64_t zero,
@@ -94,6 +154,9 @@ void quant_gemm_tiled_int8(at::Tensor out, at::Tensor x, at::Tensor data, at::Te
   if (m == 0) return;
   const auto dots = pick_kept<TiledDots>(bits, block, scales.scalar_type(),
                                          mins.has_value());
+  const bool widens = bits == 5 || bits == 6 || scales.scalar_type() == at::kChar;
+  const auto wide_dots = pick_kept<TiledDots>(bits == 4 ? 4 : 8, block, at::kFloat,
+                                              mins.has_value());
   // float32 out (logits): x in two levels, rows 2t and 2t + 1 of xq for token t, whose
   // products are added (a pair never splits: t0 below is a multiple of 4)
   const bool logits = out.scalar_type() == at::kFloat;
@@ -111,6 +174,8 @@ void quant_gemm_tiled_int8(at::Tensor out, at::Tensor x, at::Tensor data, at::Te
   const int64_t block_quads = std::min<int64_t>(quads, kTiledBlockRows / kTiledTokens);
   at::parallel_for(0, sets * quads, 1, [&](int64_t begin, int64_t end) {
     Sums acc[kTiledTokens * 2];
+    WideTiles wide;
+    int64_t wide_of = -1;  // the set and block of rows wide holds (set + sets tb)
     for (int64_t item = begin; item < end; ++item) {
       // blocks of block_quads quads of tokens (the last one maybe fewer), each set of
       // tiles over a block's quads in turn
@@ -121,8 +186,16 @@ void quant_gemm_tiled_int8(at::Tensor out, at::Tensor x, at::Tensor data, at::Te
       const int64_t g0 = silu_mul ? set : per * set;
       const int tokens = static_cast<int>(std::min<int64_t>(kTiledTokens, rows - t0));
       const int gs = silu_mul ? 2 : static_cast<int>(std::min<int64_t>(per, tiles - g0));
-      // up to 4 tokens, W read once as it streams from memory: prefetched
-      dots[quads == 1][tokens - 1][gs - 1](w, g0, apart, xq, t0, acc);
+      if (widens && in_block > kWideQuads) {
+        if (wide_of != set + sets * tb) {
+          wide.of(w, g0, apart, gs, bits, block, scales.scalar_type());
+          wide_of = set + sets * tb;
+        }
+        wide_dots[false][tokens - 1][gs - 1](wide.view, 0, 1, xq, t0, acc);
+      } else {
+        // up to 4 tokens, W read once as it streams from memory: prefetched
+        dots[quads == 1][tokens - 1][gs - 1](w, g0, apart, xq, t0, acc);
+      }
       store_sums(acc, tokens, gs, t0, g0, apart, silu_mul ? set : -1, bp, to);
     }
   });

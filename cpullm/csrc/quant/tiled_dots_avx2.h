@@ -53,6 +53,22 @@ inline __m256i with_high_bits(__m256i low, const uint8_t* chunk, int i, int r) {
       low, _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(high_mask<BITS>()))));
 }
 
+// A chunk's steps of u of 5 or 6 bits as 8 steps of one u a byte (the 8-bit layout).
+template <int BITS>
+inline void widen_chunk(const uint8_t* chunk, uint8_t* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int q = 0; q < 4; ++q)
+    for (int r = 0; r < 2; ++r) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+          chunk + q * 64 + 32 * r));
+      for (int h = 0; h < 2; ++h) {
+        const __m256i u = _mm256_and_si256(h ? _mm256_srli_epi16(packed, 4) : packed, low);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (4 * h + q) * 64 + 32 * r),
+                            with_high_bits<BITS>(u, chunk, 4 * h + q, r));
+      }
+    }
+}
+
 // Tokens [t0, t0 + T) by G tiles g0, g0 + apart, ... (16 G rows of W), as float32 sums
 // acc [T][G]: per block, the integer sums of u q (4 k per lane, x's 4 broadcast) meet the
 // block's scales once: s dx sum(u q) + m dx sum(q). PREFETCH: each step's bytes

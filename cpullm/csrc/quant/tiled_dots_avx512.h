@@ -16,6 +16,19 @@ constexpr bool kStoresSiluMul = true;
 constexpr bool kStoresSiluMul = false;
 #endif
 
+// A chunk's steps of u of 5 or 6 bits as 8 steps of one u a byte (the 8-bit layout).
+template <int BITS>
+inline void widen_chunk(const uint8_t* chunk, uint8_t* out) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int q = 0; q < 4; ++q) {
+    const __m512i packed = _mm512_loadu_si512(chunk + q * 64);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i u = _mm512_and_si512(h ? _mm512_srli_epi16(packed, 4) : packed, low);
+      _mm512_storeu_si512(out + (4 * h + q) * 64, with_high_bits<BITS>(u, chunk, 4 * h + q));
+    }
+  }
+}
+
 // Tokens [t0, t0 + T) by G tiles g0, g0 + apart, ... (16 G rows of W), as float32 [T][G][16]
 // in acc: per block, the integer sums of u q (4 k per lane per instruction, x's 4 broadcast)
 // meet the block's scales once: s dx sum(u q) + m dx sum(q). PREFETCH: each step's bytes
