@@ -63,6 +63,7 @@ def make_folder(out: Path, size: str) -> None:
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to_empty(device="cpu").to(torch.bfloat16)
+    model.tie_weights()  # (to_empty gives the tied LM head storage of its own)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -70,10 +71,10 @@ def make_folder(out: Path, size: str) -> None:
             else:
                 param.normal_(0.0, 0.02)
     tmp = out.with_name(out.name + ".part")
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, max_shard_size="5GB")
     del model
-    gguf = Path(resolve_model(None))
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    default = resolve_model(None)
+    tokenizer = AutoTokenizer.from_pretrained(default.directory, gguf_file=default.gguf_file)
     tokenizer.save_pretrained(tmp)
     tmp.rename(out)
 

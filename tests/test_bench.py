@@ -56,6 +56,9 @@ def test_bench_latency(tiny_model, tmp_path):
     result = json.loads(out.read_text())
     assert len(result["latencies"]) == 3 and result["avg_latency"] > 0
     assert set(result["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
+    # the prompt step and the tokens after the first, apart (llama-bench's pp and tg)
+    assert "Prefill:" in stdout
+    assert result["prefill_tokens_per_second"] > 0 and result["decode_tokens_per_second"] > 0
 
 
 def test_bench_gemm(tiny_model, tmp_path):

@@ -96,19 +96,24 @@ def run_latency(args: argparse.Namespace) -> dict[str, object]:
     params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True,
                             max_tokens=args.output_len)
 
-    def once() -> float:
+    phases: list[tuple[float, float]] = []  # (prefill, decode) tokens/s of each timed batch
+
+    def once(timed: bool = False) -> float:
         # Fresh prompts every iteration: the prefix cache must not hide the prompt's cost.
         prompts = [{"prompt_token_ids": rng.integers(100, vocab, args.input_len).tolist()}
                    for _ in range(args.batch_size)]
         start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - start
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        if timed:
+            phases.append(_phase_rates(outputs, args.input_len, args.output_len))
+        return elapsed
 
     with logging_to_tqdm():
         for _ in tqdm(range(args.num_iters_warmup), desc="Warmup iterations"):
             once()
-        latencies = np.array([once() for _ in tqdm(range(args.num_iters),
-                                                   desc="Profiling iterations")])
+        latencies = np.array([once(timed=True) for _ in tqdm(range(args.num_iters),
+                                                             desc="Profiling iterations")])
     percentiles = [10, 25, 50, 75, 90, 99]
     values = np.percentile(latencies, percentiles)
     print(f"Avg latency: {latencies.mean():.4f} seconds")
@@ -116,12 +121,30 @@ def run_latency(args: argparse.Namespace) -> dict[str, object]:
         print(f"{p}% percentile latency: {v:.4f} seconds")
     tokens = args.batch_size * args.output_len
     print(f"Decode throughput: {tokens / latencies.mean():.1f} output tokens/s")
+    prefill, decode = (float(np.median([p[i] for p in phases])) for i in range(2))
+    # llama-bench's pp and tg: the prompt step alone, and the tokens after the first
+    print(f"Prefill: {prefill:.1f} prompt tokens/s, decode: {decode:.2f} tokens/s after the "
+          "first (medians)")
     result: dict[str, object] = {
         "avg_latency": float(latencies.mean()), "latencies": latencies.tolist(),
         "percentiles": {str(p): float(v) for p, v in zip(percentiles, values, strict=True)},
-        "output_tokens_per_second": tokens / float(latencies.mean())}
+        "output_tokens_per_second": tokens / float(latencies.mean()),
+        "prefill_tokens_per_second": prefill, "decode_tokens_per_second": decode}
     _write_json(args.output_json, result)
     return result
+
+
+def _phase_rates(outputs: list, input_len: int, output_len: int) -> tuple[float, float]:
+    """A batch's prompt tokens/s (first scheduled to its last first token) and decode
+    tokens/s after each request's first token (the earliest first token to the last
+    token), from the requests' times."""
+    times = [o.metrics for o in outputs]
+    first = max(t["first_token_time"] for t in times)
+    prefill = len(times) * input_len / (first - min(t["scheduled_time"] for t in times))
+    decode_span = max(t["last_token_time"] for t in times) - \
+        min(t["first_token_time"] for t in times)
+    decode = len(times) * (output_len - 1) / decode_span if output_len > 1 else 0.0
+    return prefill, decode
 
 
 def _write_json(path: str | None, result: Mapping[str, object]) -> None:
