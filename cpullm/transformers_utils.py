@@ -168,7 +168,25 @@ def gguf_config(gguf_path: str) -> Any:
     config.setdefault("vocab_size", metadata.get("tokenizer.ggml.tokens"))
     if model_type == "gemma3":
         config = _gemma3_gguf_config(config, metadata)
+    if "rope_freqs.weight" in tensor_names:
+        # Llama 3's rope scaling, as llama.cpp's converter stores it: a divisor per frequency
+        config["rope_freq_factors"] = _gguf_vector(gguf_path, "rope_freqs.weight")
     return AutoConfig.for_model(**config, name_or_path=os.path.dirname(gguf_path))
+
+
+def _gguf_vector(gguf_path: str, name: str) -> list[float]:
+    """A float32 vector of the file, read from the memory map."""
+    from transformers.integrations.gguf.reader import GgufHeader, load_gguf_state_dict
+
+    header = GgufHeader.from_file(gguf_path)
+    (info,) = (t for t in header.tensors if t.name == name)
+    if info.ggml_type != 0:  # GGML_TYPE_F32
+        raise ValueError(f"GGUF tensor {name}: float32 expected, the file has type "
+                         f"{info.ggml_type}")
+    import numpy as np
+
+    data = np.asarray(load_gguf_state_dict(header)[name].data)
+    return data.view(np.float32).tolist()
 
 
 def _gemma3_gguf_config(config: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""GGUF files of the families beyond Llama, written as llama.cpp writes them: Qwen3-MoE and
+"""GGUF files written as llama.cpp writes them: Llama 3 (q and k rows interleaved per head,
+its rope scaling a rope_freqs tensor), Qwen3-MoE and
 Qwen2-MoE (each projection's experts one 3-D tensor, here Q8_0; the router as
 ffn_gate_inp; Qwen2-MoE's shared expert and its vector gate) and Gemma 3 (norms before and
 after each block, stored as 1 + w; the rope base and scaling of its global layers in the
@@ -24,6 +25,11 @@ from cpullm import LLM, SamplingParams
 from cpullm.transformers_utils import resolve_model
 
 CONFIGS = {
+    # Llama 3's rope scaling, which llama.cpp's converter stores as a rope_freqs tensor (a
+    # divisor per frequency; scaled here below 64 positions, within the longer prompt)
+    "llama": ("LlamaConfig", dict(rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=64))),
     # experts of a width other than the config class's default (768): the file must say it
     "qwen3moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=8, num_experts_per_tok=2,
                                         moe_intermediate_size=32, norm_topk_prob=True)),
@@ -38,10 +44,11 @@ CONFIGS = {
                          "full_attention": dict(rope_type="linear", factor=4.0,
                                                 rope_theta=1000000.0)})),
 }
+DENSE_MLP_NAMES = {"mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                   "mlp.down_proj": "ffn_down"}
 GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm",
                "pre_feedforward_layernorm": "ffn_norm",
-               "post_feedforward_layernorm": "post_ffw_norm", "mlp.gate_proj": "ffn_gate",
-               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+               "post_feedforward_layernorm": "post_ffw_norm", **DENSE_MLP_NAMES}
 LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -74,6 +81,8 @@ def _metadata(writer: GGUFWriter, arch: str, config) -> None:
     for key, value in sizes.items():
         kind = GGUFValueType.FLOAT32 if isinstance(value, float) else GGUFValueType.UINT32
         writer.add_key_value(f"{arch}.{key}", value, kind)
+    if arch == "llama":
+        return
     if arch == "gemma3":
         writer.add_key_value("gemma3.attention.sliding_window", config.sliding_window,
                              GGUFValueType.UINT32)
@@ -88,6 +97,26 @@ def _metadata(writer: GGUFWriter, arch: str, config) -> None:
     if getattr(config, "shared_expert_intermediate_size", 0):
         writer.add_key_value(f"{arch}.expert_shared_feed_forward_length",
                              config.shared_expert_intermediate_size, GGUFValueType.UINT32)
+
+
+def _rope_freqs(config) -> np.ndarray:
+    """Llama 3's rope scaling as llama.cpp's converter writes it: per frequency, 1 where
+    the wavelength is short, the factor where it is long, a blend between."""
+    rope = config.rope_parameters
+    head_dim = config.hidden_size // config.num_attention_heads
+    freqs = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim)
+    old = rope["original_max_position_embeddings"]
+    low, high, factor = rope["low_freq_factor"], rope["high_freq_factor"], rope["factor"]
+    wavelen = 2 * np.pi / freqs
+    smooth = (old / wavelen - low) / (high - low)
+    return np.where(wavelen < old / high, 1.0, np.where(
+        wavelen > old / low, factor, 1 / ((1 - smooth) / factor + smooth))).astype(np.float32)
+
+
+def _interleaved(weight: np.ndarray, heads: int) -> np.ndarray:
+    """q or k rows in llama.cpp's order: each head's rotary halves interleaved."""
+    return (weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -118,11 +147,14 @@ def family_gguf(request, tmp_path_factory, tokenizer_dir) -> tuple[Path, Path]:
         array = tensors[name].numpy()
         return array + 1 if gemma and name.endswith("norm.weight") else array
 
+    if arch == "llama":
+        writer.add_tensor("rope_freqs.weight", _rope_freqs(config))
     writer.add_tensor("token_embd.weight", stored("model.embed_tokens.weight"))
     writer.add_tensor("output_norm.weight", stored("model.norm.weight"))
     if "lm_head.weight" in tensors:
         writer.add_tensor("output.weight", stored("lm_head.weight"))
-    names = {**LAYER_NAMES, **GEMMA_NAMES} if gemma else LAYER_NAMES
+    names = ({**LAYER_NAMES, **GEMMA_NAMES} if gemma else
+             {**LAYER_NAMES, **DENSE_MLP_NAMES} if arch == "llama" else LAYER_NAMES)
     for layer in range(config.num_hidden_layers):
         prefix = f"model.layers.{layer}."
         for hf, gguf_name in names.items():
@@ -131,8 +163,12 @@ def family_gguf(request, tmp_path_factory, tokenizer_dir) -> tuple[Path, Path]:
                     array = stored(f"{prefix}{hf}.{kind}")
                     if hf == "mlp.shared_expert_gate":
                         array = array.reshape(-1)  # a vector in llama.cpp's files
+                    if arch == "llama" and hf in ("self_attn.q_proj", "self_attn.k_proj"):
+                        array = _interleaved(array, config.num_attention_heads
+                                             if hf == "self_attn.q_proj"
+                                             else config.num_key_value_heads)
                     writer.add_tensor(f"blk.{layer}.{gguf_name}.{kind}", array)
-        if gemma:
+        if arch in ("gemma3", "llama"):
             continue
         for projection, gguf_name in (("gate_proj", "ffn_gate_exps"),
                                       ("up_proj", "ffn_up_exps"),
@@ -166,8 +202,10 @@ def test_gguf_equals_transformers(family_gguf, tokenizer_dir):
     for key in ("moe_intermediate_size", "num_experts", "num_experts_per_tok",
                 "shared_expert_intermediate_size", "norm_topk_prob", "head_dim",
                 "query_pre_attn_scalar", "sliding_window", "layer_types", "rope_parameters"):
-        if key in reference:
+        if key in reference and not (key == "rope_parameters" and "llama" in path.name):
             assert getattr(config, key) == reference[key], key
+    if "llama" in path.name:  # its scaling as the file's factors, as llama.cpp reads it
+        assert len(config.rope_freq_factors) == 8 and config.rope_freq_factors[-1] == 8.0
     prompts = [torch.randint(100, 2000, (n,), generator=torch.Generator().manual_seed(n))
                .tolist() for n in (7, 45)]
     got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16,

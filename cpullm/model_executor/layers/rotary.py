@@ -55,9 +55,18 @@ class RotaryEmbedding(nn.Module):
                              getattr(hf_config, "partial_rotary_factor", None) or 1.0)
         self.rotary_dim = int(head_dim * partial)  # the first rotary_dim of each head turn
         positions = torch.arange(max_position, dtype=torch.float)
+        factors = getattr(hf_config, "rope_freq_factors", None)  # a GGUF file's rope_freqs
+        if factors is not None and rope_type != "default":
+            raise ValueError(f"rope frequency factors with rope type {rope_type!r} are not "
+                             "supported (only with the default type)")
         if rope_type == "default":
             base, dim = params["rope_theta"], self.rotary_dim
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            if factors is not None:  # as llama.cpp applies them: each frequency divided
+                if len(factors) != dim // 2:
+                    raise ValueError(f"{len(factors)} rope frequency factors for a rotary "
+                                     f"dimension of {dim}: {dim // 2} expected")
+                inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float)
             cos, sin = self._tables(positions, inv_freq, 1.0)
         else:
             # transformers owns the scaling formulas (llama3, yarn, linear, longrope).

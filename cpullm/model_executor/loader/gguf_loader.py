@@ -81,6 +81,8 @@ def iterate_gguf(path: str, num_heads: int, num_kv_heads: int
     tensors, block types as ``RawBlocks``. A type cpullm cannot run is refused by name."""
     architecture, tensors = _tensors(path)
     for gguf_name, qtype, array, shape in tensors:
+        if gguf_name == "rope_freqs.weight":
+            continue  # the rope's frequency factors: read into the config
         name = hf_name(gguf_name, architecture)
         if qtype not in _FLOAT_TYPES and qtype not in KEPT_TYPES:
             raise ValueError(f"GGUF tensor {gguf_name} has type {qtype.name}, which cpullm "
