@@ -59,6 +59,9 @@ def test_bench_latency(tiny_model, tmp_path):
     # the prompt step and the tokens after the first, apart (llama-bench's pp and tg)
     assert "Prefill:" in stdout
     assert result["prefill_tokens_per_second"] > 0 and result["decode_tokens_per_second"] > 0
+    # against the machine: a decode step's bytes a second beside a plain read of as many
+    assert "Decode reads" in stdout and "GFLOP/s in the linear layers" in stdout
+    assert result["decode_read_gb_per_second"] > 0 and result["plain_read_gb_per_second"] > 0
 
 
 def test_bench_gemm(tiny_model, tmp_path):

@@ -130,8 +130,61 @@ def run_latency(args: argparse.Namespace) -> dict[str, object]:
         "percentiles": {str(p): float(v) for p, v in zip(percentiles, values, strict=True)},
         "output_tokens_per_second": tokens / float(latencies.mean()),
         "prefill_tokens_per_second": prefill, "decode_tokens_per_second": decode}
+    result.update(_rooflines(llm, args, prefill, decode))
     _write_json(args.output_json, result)
     return result
+
+
+def _rooflines(llm: LLM, args: argparse.Namespace, prefill: float, decode: float
+               ) -> dict[str, float]:
+    """What the rates come to against the machine: the bytes a decode step reads (the
+    weights once, each sequence's K and V) per second, beside a plain read of as many
+    bytes on the same threads; and the linear layers' GFLOP/s in the prompt step. Only
+    for a dense model run in this process (a mixture reads just its chosen experts)."""
+    import torch
+
+    from cpullm.model_executor.layers.linear import LinearBase
+    from cpullm.model_executor.loader import weight_bytes
+
+    try:
+        model = llm.llm_engine.model_runner.model
+    except AttributeError:
+        return {}
+    if any(name.endswith("experts") for name, _ in model.named_modules()) or decode <= 0:
+        return {}
+    weights = weight_bytes(model)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if embed is not None and not getattr(model, "tie_word_embeddings", False):
+        weights -= weight_bytes(embed)  # a step reads only its tokens' rows
+    context = args.input_len + args.output_len / 2  # on average over the decode steps
+    kv = args.batch_size * context * llm.llm_engine.config.model.kv_bytes_per_token()
+    step = weights + kv
+    rate = step * decode / args.batch_size / 1e9  # decode / batch_size: steps a second
+    plain = _read_bandwidth(int(step))
+    linear = sum(m.input_size * m.output_size for name, m in model.named_modules()
+                 if isinstance(m, LinearBase) and not name.endswith("lm_head"))
+    gflops = 2 * linear * prefill / 1e9
+    print(f"Decode reads {weights / 1e6:.0f} MB of weights and {kv / 1e6:.0f} MB of KV a "
+          f"step: {rate:.1f} GB/s; a plain read of as many bytes on "
+          f"{torch.get_num_threads()} threads: {plain:.1f} GB/s ({100 * rate / plain:.0f} %)")
+    print(f"Prefill: {gflops:.1f} GFLOP/s in the linear layers ({2 * linear / 1e9:.2f} "
+          "GFLOP a token; `cpullm bench gemm` measures the peak)")
+    return {"decode_read_gb_per_second": rate, "plain_read_gb_per_second": plain,
+            "prefill_linear_gflops": gflops}
+
+
+def _read_bandwidth(nbytes: int, reps: int = 5) -> float:
+    """GB/s of summing a buffer of ``nbytes`` on torch's threads, median of ``reps``: a
+    STREAM-like read of memory (the buffer is far larger than the caches)."""
+    import torch
+
+    buffer = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+    times = []
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - start)
+    return buffer.numel() * 4 / float(np.median(times[1:])) / 1e9
 
 
 def _phase_rates(outputs: list, input_len: int, output_len: int) -> tuple[float, float]:
