@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
 
+from cpullm import distributed
 from cpullm.config import ModelConfig
 from cpullm.logger import init_logger
 from cpullm.model_executor.layers.embedding import LMHead
@@ -18,7 +20,7 @@ from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.packed_gemm import PackedGemm
 from cpullm.model_executor.layers.quantization import get_quantization_config
 from cpullm.model_executor.layers.quantization.kept import VNNI_MAX_ROWS
-from cpullm.model_executor.loader.gguf_loader import iterate_gguf
+from cpullm.model_executor.loader.gguf_loader import iterate_gguf, prepared_ahead
 from cpullm.model_executor.loader.safetensors_loader import iterate_pickle, iterate_safetensors
 from cpullm.model_executor.models import get_model_class
 
@@ -37,6 +39,8 @@ def get_model(config: ModelConfig, ops: KernelTable | None) -> nn.Module:
     model = model_class(config.hf_config, config.max_model_len, config.dtype, ops, quant_config)
     if source.gguf_path is not None:
         weights = iterate_gguf(source.gguf_path, config.num_heads, config.num_kv_heads)
+        if distributed.tp_size() == 1:  # (a rank takes its part of each tensor apart)
+            weights = prepared_ahead(weights, torch.get_num_threads())
     elif source.pickle:
         weights = iterate_pickle(source.directory)
     else:
@@ -59,13 +63,29 @@ def get_model(config: ModelConfig, ops: KernelTable | None) -> nn.Module:
 
 
 def finish_loading(model: nn.Module, ops: KernelTable | None) -> None:
-    """Every module's post-load step (packing, quantized layouts), children first."""
-    for name, module in _children_first(model):
-        if hasattr(module, "process_weights_after_loading"):
-            try:
-                module.process_weights_after_loading(ops)
-            except ValueError as e:
-                raise ValueError(f"cannot load {name}: {e}") from None
+    """Every module's post-load step (packing, quantized layouts), children first. The
+    linear layers' steps, most of a quantized model's load, run on every core first: each
+    is a leaf that reads nothing of another module's."""
+    modules = [(name, module) for name, module in _children_first(model)
+               if hasattr(module, "process_weights_after_loading")]
+    leaves = [(name, module) for name, module in modules
+              if isinstance(module, LinearBase)]
+    with ThreadPoolExecutor(max(1, torch.get_num_threads()),
+                            thread_name_prefix="finish-loading") as pool:
+        for future in [pool.submit(_finish, name, module, ops) for name, module in leaves]:
+            future.result()
+    done = {id(module) for _, module in leaves}
+    for name, module in modules:
+        if id(module) not in done:
+            _finish(name, module, ops)
+
+
+def _finish(name: str, module: nn.Module, ops: KernelTable | None) -> None:
+    try:
+        with torch.no_grad():  # (grad mode is per thread)
+            module.process_weights_after_loading(ops)  # type: ignore[operator]
+    except ValueError as e:
+        raise ValueError(f"cannot load {name}: {e}") from None
 
 
 def _children_first(module: nn.Module, prefix: str = "",

@@ -9,7 +9,9 @@ files are stored unpermuted.
 from __future__ import annotations
 
 import re
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -108,6 +110,30 @@ def iterate_gguf(path: str, num_heads: int, num_kv_heads: int
                 and isinstance(tensor, torch.Tensor)):
             tensor = tensor - 1  # stored as 1 + w; the model's norms add the 1 themselves
         yield name, tensor
+
+
+def prepared_ahead(weights: Iterator[tuple[str, torch.Tensor | RawBlocks]], workers: int
+                   ) -> Iterator[tuple[str, torch.Tensor | RawBlocks]]:
+    """The same tensors in the same order, each block tensor taken apart (``prepare``) on
+    one of ``workers`` threads a few tensors ahead of the caller: numpy and torch let go of
+    the GIL in their array operations, so a file's tensors load on every core."""
+    pending: deque[tuple[str, torch.Tensor | RawBlocks, Future | None]] = deque()
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="gguf-load") as pool:
+        for name, tensor in weights:
+            future = pool.submit(tensor.prepare) if isinstance(tensor, RawBlocks) else None
+            pending.append((name, tensor, future))
+            while len(pending) > 2 * workers or (pending and pending[0][2] is None):
+                yield _ready(pending.popleft())
+        while pending:
+            yield _ready(pending.popleft())
+
+
+def _ready(item: tuple[str, torch.Tensor | RawBlocks, Future | None]
+           ) -> tuple[str, torch.Tensor | RawBlocks]:
+    name, tensor, future = item
+    if future is not None:
+        future.result()  # (its error, if it failed)
+    return name, tensor
 
 
 def _tensor(name: str, qtype: GGMLQuantizationType, array: np.ndarray,

@@ -10,7 +10,7 @@ shards of one ``BlockFormat`` become one ``QuantizedWeight``, float shards a den
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,10 +38,14 @@ class RawBlocks:
     qtype: GGMLQuantizationType
     raw: np.ndarray
     shape: tuple[int, ...]
+    # ``to_weight``'s result, where it was computed ahead (``prepare``)
+    prepared: QuantizedWeight | None = field(default=None, repr=False, compare=False)
 
     def narrow(self, dim: int, start: int, length: int) -> RawBlocks:
         """Rows [start, start + length) (dim 0), or columns (dim 1: whole blocks only)."""
         rows, k = self.shape
+        if start == 0 and length == self.shape[dim]:
+            return self
         if dim == 0:
             return RawBlocks(self.qtype, self.raw[start:start + length], (length, k))
         weights, nbytes = block_bytes(self.qtype)
@@ -54,8 +58,14 @@ class RawBlocks:
 
     def to_weight(self) -> QuantizedWeight:
         """The blocks taken apart into the kernels' layout."""
+        if self.prepared is not None:
+            return self.prepared
         return QuantizedWeight.from_split(split_blocks(self.qtype, self.raw, self.shape[-1]),
                                           self.qtype.name)
+
+    def prepare(self) -> None:
+        """Take the blocks apart now (on a loader's thread), for ``to_weight`` to return."""
+        self.prepared = self.to_weight()
 
 
 class GGUFConfig(QuantizationConfig):
