@@ -39,7 +39,7 @@ def get_model(config: ModelConfig, ops: KernelTable | None) -> nn.Module:
     model = model_class(config.hf_config, config.max_model_len, config.dtype, ops, quant_config)
     if source.gguf_path is not None:
         weights = iterate_gguf(source.gguf_path, config.num_heads, config.num_kv_heads)
-        if distributed.tp_size() == 1:  # (a rank takes its part of each tensor apart)
+        if distributed.layout().world_size == 1:  # (a rank takes apart only its parts)
             weights = prepared_ahead(weights, torch.get_num_threads())
     elif source.pickle:
         weights = iterate_pickle(source.directory)
