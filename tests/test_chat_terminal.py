@@ -57,7 +57,8 @@ def converse(extra: list[str]) -> tuple[str, str, str]:
     prompt, what came after) of one question and an empty line."""
     terminal = Terminal(["--max-tokens", "12", "--temperature", "0", *extra])
     try:
-        first = terminal.read_until("> ", 0)
+        # the prompt at a line's start (-v's log lines hold "thread 0 -> CPU 0")
+        first = terminal.read_until("\n> ", 0) + 1
         terminal.type("What is the capital of France?")
         second = terminal.read_until("\n> ", first + 2)
         terminal.type("")
