@@ -9,6 +9,7 @@ the model class, the kernels or the checkpoint's files is resolved once into fie
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -224,6 +225,78 @@ class CacheConfig:
             raise ValueError(f"block_size must be a positive multiple of 32, got {block_size}")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+# vLLM's other methods, refused by name until they are built
+_SPECULATIVE_LATER = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator",
+                      "suffix")
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min",
+                     "prompt_lookup_max", "disable_by_batch_size")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``--speculative-config``): each decode step also
+    verifies up to ``num_speculative_tokens`` proposed tokens. ``ngram`` proposes the
+    tokens that followed the latest earlier occurrence of the request's last n tokens
+    (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    # no proposals in a step that runs this many requests or more (None: any number)
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative config: method must be one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("speculative config: num_speculative_tokens must be >= 1, got "
+                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculative config: need 1 <= prompt_lookup_min <= "
+                             f"prompt_lookup_max, got {self.prompt_lookup_min} and "
+                             f"{self.prompt_lookup_max}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
+            raise ValueError("speculative config: disable_by_batch_size must be >= 2, got "
+                             f"{self.disable_by_batch_size}")
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """From a user's JSON text or dict with vLLM's keys; None stays None. As vLLM, a
+        missing n-gram bound takes the other's value, and both missing are 5."""
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config: not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative config: expected a JSON object")
+        method = value.get("method") or ("draft_model" if value.get("model") else None)
+        if method in _SPECULATIVE_LATER:
+            raise ValueError(f"speculative config: method {method!r} is not supported yet; "
+                             "supported: " + ", ".join(SPECULATIVE_METHODS))
+        unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(f"speculative config: unknown keys {unknown} ("
+                             + ", ".join(_SPECULATIVE_KEYS) + ")")
+        fields = dict(value)
+        for key in _SPECULATIVE_KEYS[1:]:
+            if fields.get(key) is not None and (not isinstance(fields[key], int)
+                                                or isinstance(fields[key], bool)):
+                raise ValueError(f"speculative config: {key} must be an integer")
+        if "num_speculative_tokens" not in fields:
+            raise ValueError("speculative config: num_speculative_tokens is required")
+        low, high = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
+        fields["prompt_lookup_min"] = low or high or 5
+        fields["prompt_lookup_max"] = high or low or 5
+        fields["method"] = method
+        return cls(**fields)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int
@@ -232,6 +305,7 @@ class SchedulerConfig:
     whole_inputs: bool = False  # an encoder's: each input in one step, no KV blocks
     # LongRoPE: a request longer than this runs on the long factors, recomputed (ModelConfig)
     longrope_edge: int | None = None
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -18,6 +18,7 @@ from cpullm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from cpullm.engine.kv_cache_manager import PREFIX_CACHING_HASH_ALGOS
 from cpullm.logger import init_logger
@@ -96,6 +97,8 @@ class EngineArgs:
     runner: str = "auto"
     convert: str = "auto"
     override_pooler_config: str | dict[str, object] | None = None
+    # speculative decoding (JSON or a dict, vLLM's keys: config.SpeculativeConfig)
+    speculative_config: str | dict[str, object] | None = None
     # one rank's budgets for the job (OFFLINE_DEFAULTS, SERVE_DEFAULTS, CHAT_DEFAULTS)
     scheduling_defaults: dict[str, int] = dataclasses.field(
         default_factory=lambda: dict(OFFLINE_DEFAULTS))
@@ -223,6 +226,11 @@ class EngineArgs:
                             help='the pooler as JSON, e.g. \'{"pooling_type": "MEAN", '
                             '"normalize": true}\' (MEAN, CLS or LAST); unset: the folder\'s '
                             "sentence-transformers config, else CLS and normalized")
+        parser.add_argument("--speculative-config", default=d.speculative_config,
+                            help='speculative decoding as JSON, vLLM\'s keys, e.g. '
+                            '\'{"method": "ngram", "num_speculative_tokens": 4, '
+                            '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (see '
+                            "docs/speculative-decoding.md); unset: none")
         parser.add_argument("--load-format", default=d.load_format, choices=list(LOAD_FORMATS),
                             help="what weights to load: auto (safetensors or GGUF; a folder "
                             "of PyTorch pickle files is refused), safetensors, gguf, or pt "
@@ -330,9 +338,16 @@ class EngineArgs:
                 raise ValueError(f"max_num_batched_tokens={tokens} is smaller than "
                                  f"max_model_len={max_model_len}: an encoder computes an "
                                  "input whole, in one step")
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        if speculative is not None and model_config.is_pooling:
+            raise ValueError("speculative_config: a pooling model generates no tokens")
         scheduler = SchedulerConfig(self._budget("max_num_seqs", sizes), tokens, max_model_len,
                                     whole_inputs=encoder,
-                                    longrope_edge=None if encoder else model_config.longrope_edge)
+                                    longrope_edge=None if encoder else model_config.longrope_edge,
+                                    speculative=speculative)
+        if speculative is not None:
+            logger.info("Speculative decoding: %s, up to %d tokens a step", speculative.method,
+                        speculative.num_speculative_tokens)
         groups = None if encoder else KVCacheGroups.plan(
             [0] * model_config.num_layers if self.disable_hybrid_kv_cache_manager
             else list(model_config.layer_windows))

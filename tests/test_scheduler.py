@@ -23,7 +23,7 @@ def add(scheduler: Scheduler, request_id: str, num_tokens: int, max_tokens: int 
 
 def run_step(scheduler: Scheduler) -> dict[str, int]:
     output = scheduler.schedule()
-    sampled = {item.request_id: 7 for item in output.scheduled if item.sample}
+    sampled = {item.request_id: [7] for item in output.scheduled if item.sample}
     scheduler.update_from_output(output, sampled)
     return {item.request_id: item.num_tokens for item in output.scheduled}
 
@@ -118,7 +118,7 @@ def test_runner_state_follows_the_scheduler():
         if len(in_flight) == 2 or not output.scheduled:
             done = in_flight.pop(0)
             scheduler.update_from_output(
-                done, {item.request_id: rng.randrange(1, 500) for item in done.scheduled
+                done, {item.request_id: [rng.randrange(1, 500)] for item in done.scheduled
                        if item.sample})
         if added == 40 and not scheduler.has_unfinished_requests() and not in_flight:
             break

@@ -81,6 +81,11 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128,
                         help="generated tokens per request")
     parser.add_argument("--batch-size", type=int, default=8, help="requests in the batch")
+    parser.add_argument("--prompts", choices=["random", "code-edit"], default="random",
+                        help="random: random token ids, sampled at temperature 1 (vLLM's); "
+                        "code-edit: a chat request to fix the bug in about --input-len "
+                        "tokens of Python source from the standard library, decoded "
+                        "greedily (an input-grounded task, where n-gram speculation pays)")
     parser.add_argument("--num-iters-warmup", type=int, default=10,
                         help="untimed iterations first")
     parser.add_argument("--num-iters", type=int, default=30, help="timed iterations")
@@ -93,14 +98,16 @@ def run_latency(args: argparse.Namespace) -> dict[str, object]:
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
     rng = np.random.default_rng(args.seed)
     vocab = llm.llm_engine.config.model.vocab_size
-    params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True,
-                            max_tokens=args.output_len)
+    params = SamplingParams(temperature=1.0 if args.prompts == "random" else 0.0, top_p=1.0,
+                            ignore_eos=True, max_tokens=args.output_len)
+    source = _library_source() if args.prompts == "code-edit" else []
 
     phases: list[tuple[float, float]] = []  # (prefill, decode) tokens/s of each timed batch
 
     def once(timed: bool = False) -> float:
         # Fresh prompts every iteration: the prefix cache must not hide the prompt's cost.
-        prompts = [{"prompt_token_ids": rng.integers(100, vocab, args.input_len).tolist()}
+        prompts = [{"prompt_token_ids": _code_edit_prompt(llm, source, args.input_len, rng)
+                    if source else rng.integers(100, vocab, args.input_len).tolist()}
                    for _ in range(args.batch_size)]
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -131,8 +138,53 @@ def run_latency(args: argparse.Namespace) -> dict[str, object]:
         "output_tokens_per_second": tokens / float(latencies.mean()),
         "prefill_tokens_per_second": prefill, "decode_tokens_per_second": decode}
     result.update(_rooflines(llm, args, prefill, decode))
+    result.update(_speculation(llm))
     _write_json(args.output_json, result)
     return result
+
+
+def _library_source() -> list[str]:
+    """Lines of Python source that every installation has (argparse's module)."""
+    import argparse as module
+    import inspect
+
+    return inspect.getsource(module).splitlines(keepends=True)
+
+
+def _code_edit_prompt(llm: LLM, source: list[str], input_len: int,
+                      rng: np.random.Generator) -> list[int]:
+    """A chat prompt of about ``input_len`` tokens asking to fix the bug in a run of
+    ``source`` lines from a random place (fresh each time, past the prefix cache)."""
+    tokenizer = llm.get_tokenizer()
+    start = int(rng.integers(0, len(source) // 2))
+    code: list[str] = []
+    messages: list[dict[str, str]] = []
+    ids: list[int] = []
+    for line in source[start:]:
+        code.append(line)
+        if len(code) % 8:
+            continue
+        messages = [{"role": "user", "content": "Fix the bug in this Python code. Reply "
+                     "with the corrected code only.\n\n```python\n" + "".join(code) + "```"}]
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        if len(ids) >= input_len:
+            break
+    return list(ids)
+
+
+def _speculation(llm: LLM) -> dict[str, float]:
+    """Speculative decoding's acceptance over the run, where it is on (in-process)."""
+    if llm.llm_engine.config.scheduler.speculative is None:
+        return {}
+    try:
+        stats = llm.llm_engine.scheduler.spec_stats
+    except AttributeError:  # (the engine core in its own process)
+        return {}
+    rate = stats.num_accepted_tokens / max(stats.num_draft_tokens, 1)
+    length = 1 + stats.num_accepted_tokens / max(stats.num_drafts, 1)  # (vLLM's measure)
+    print(f"Speculative decoding: {100 * rate:.1f} % of {stats.num_draft_tokens} proposed "
+          f"tokens accepted; mean acceptance length {length:.2f} (tokens a verifying step)")
+    return {"spec_acceptance_rate": rate, "spec_mean_acceptance_length": length}
 
 
 def _rooflines(llm: LLM, args: argparse.Namespace, prefill: float, decode: float

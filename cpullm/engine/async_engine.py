@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import shutil
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
@@ -127,8 +128,12 @@ class AsyncEngine:
         """The replicas' stats, added up."""
         if len(self.replica_stats) == 1:
             return self.replica_stats[0]
-        total = EngineStats(**{f.name: sum(getattr(s, f.name) for s in self.replica_stats)
-                               for f in dataclasses.fields(EngineStats)})
+        fields: dict[str, Any] = {}
+        for f in dataclasses.fields(EngineStats):
+            values = [getattr(s, f.name) for s in self.replica_stats]
+            fields[f.name] = ([sum(c) for c in itertools.zip_longest(*values, fillvalue=0)]
+                              if isinstance(values[0], list) else sum(values))
+        total = EngineStats(**fields)
         total.kv_cache_usage = 1.0 - total.num_free_blocks / max(1, total.num_blocks)
         return total
 

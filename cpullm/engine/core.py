@@ -12,7 +12,7 @@ Plain values only, so that both travel between processes as they are.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -69,6 +69,11 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # speculative decoding (scheduler.SpecDecodeStats)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
 
 class EngineCore:
@@ -136,9 +141,9 @@ class EngineCore:
             outputs[request_id] = EngineCoreOutput(request_id, [], prompt_logprobs=rows,
                                                    prompt_logprobs_start=start)
         # 4. Advance requests; token stops (eos, stop ids, length) end them here.
-        for request in scheduler.update_from_output(scheduler_output,
-                                                    runner_output.sampled_token_ids,
-                                                    runner_output.failed, runner_output.pooled):
+        for request, new_token_ids in scheduler.update_from_output(
+                scheduler_output, runner_output.sampled_token_ids, runner_output.failed,
+                runner_output.pooled):
             output = outputs.get(request.request_id)
             if output is None:
                 output = outputs[request.request_id] = EngineCoreOutput(request.request_id, [])
@@ -151,8 +156,12 @@ class EngineCore:
                 output.finish_reason = "stop"
                 output.scheduled_time = request.scheduled_time
                 continue
-            output.new_token_ids.append(request.output_token_ids[-1])
-            output.logprobs = runner_output.logprobs.get(request.request_id)
+            output.new_token_ids.extend(new_token_ids)
+            logprobs = runner_output.logprobs.get(request.request_id)
+            if logprobs is not None and len(logprobs.ranks) > len(new_token_ids):  # cut at a stop
+                logprobs = LogprobsLists(*(rows[:len(new_token_ids)] for rows in (
+                    logprobs.token_ids, logprobs.logprobs, logprobs.ranks)))
+            output.logprobs = logprobs
             if request.status.finished:
                 output.finish_reason = request.status.finish_reason
                 output.stop_reason = request.stop_reason  # type: ignore[assignment]
@@ -172,8 +181,12 @@ class EngineCore:
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
         kv = scheduler.kv_cache_manager
+        spec = scheduler.spec_stats
         return EngineStats(
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
             kv_cache_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
             num_blocks=kv.pool.num_blocks, num_preemptions=scheduler.num_preemptions,
-            prefix_cache_queries=kv.num_queries, prefix_cache_hits=kv.num_hits)
+            prefix_cache_queries=kv.num_queries, prefix_cache_hits=kv.num_hits,
+            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_position=list(spec.accepted_per_position))

@@ -44,6 +44,9 @@ class ScheduledRequest:
     new_block_ids: list[list[int]]
     sample: bool  # this step reaches the request's last token, so it samples the next one
     long_rope: bool = False  # LongRoPE: this request's positions take the long factors
+    # speculative decoding: the proposed tokens, the last of the step's num_tokens (the
+    # step samples after each, and keeps those the samples confirm)
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -70,10 +73,12 @@ class LogprobsLists:
 
 @dataclass
 class ModelRunnerOutput:
-    """The contract coming back: the new token of every request that sampled."""
+    """The contract coming back: the new tokens of every request that sampled."""
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    # request id -> one row for its new token
+    # request id -> its new token; with speculation, the accepted proposals and the token
+    # after them
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> one row per new token
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # request id -> one row per prompt position computed this step (predicting the next)
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)

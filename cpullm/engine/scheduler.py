@@ -16,6 +16,11 @@ that step returns, since the step still writes them.
 
 An encoder's inputs (``SchedulerConfig.whole_inputs``) are scheduled whole, as the token
 budget allows, with no KV blocks, and end in the step that computes them.
+
+With speculative decoding a decoding request also gets up to k proposed tokens, budgeted
+and given KV slots like a prompt chunk (only where blocks are free: a proposal never
+preempts anyone); the step verifies them, and the request keeps the accepted ones and the
+token after them. The rejected ones' KV slots are rewritten by the next step.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from cpullm.engine.kv_cache_manager import KVCacheManager
 from cpullm.engine.request import Request, RequestStatus
 from cpullm.engine.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from cpullm.pooling_params import PoolingParams
+from cpullm.sampling_params import SamplingParams
+from cpullm.spec_decode.ngram import propose_ngram
 
 
 class Scheduler:
@@ -45,6 +52,7 @@ class Scheduler:
         self.in_flight: set[str] = set()  # scheduled in a step whose output is not back yet
         self._free_on_return: dict[str, Request] = {}  # ended while in flight (an abort)
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodeStats()
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -58,8 +66,12 @@ class Scheduler:
         the requests out over the steps in flight)."""
         budget = self.config.max_num_batched_tokens
         max_seqs = max_seqs or self.config.max_num_seqs
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[tuple[Request, int, list[int]]] = []
         preempted = False
+        speculative = self.config.speculative
+        if speculative is not None and speculative.disable_by_batch_size is not None \
+                and len(self.running) >= speculative.disable_by_batch_size:
+            speculative = None
 
         # 1. Running requests, oldest first; preempt the newest when blocks run out.
         i = 0
@@ -72,6 +84,12 @@ class Scheduler:
                 self.kv_cache_manager.free(request)
                 request.num_computed_tokens = 0
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            proposed = self._propose(request, budget) if speculative and num_new == 1 else []
+            if proposed and self.kv_cache_manager.allocate_slots(request, 1 + len(proposed)):
+                scheduled.append((request, 1 + len(proposed), proposed))
+                budget -= 1 + len(proposed)
+                i += 1
+                continue
             while not self.kv_cache_manager.allocate_slots(request, num_new):
                 victim = self._newest_idle(i)
                 self.running.remove(victim)
@@ -80,7 +98,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append((request, num_new))
+                scheduled.append((request, num_new, []))
                 budget -= num_new
                 i += 1
 
@@ -107,19 +125,33 @@ class Scheduler:
                 request.scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append((request, num_new))
+            scheduled.append((request, num_new, []))
             budget -= num_new
 
         new_requests = [NewRequestData(request.request_id, request.prompt_token_ids,
                                        request.sampling_params)
-                        for request, _ in scheduled if request.num_tokens_sent == 0]
+                        for request, _, _ in scheduled if request.num_tokens_sent == 0]
         output = SchedulerOutput(
-            scheduled=[self._describe(request, n) for request, n in scheduled],
+            scheduled=[self._describe(request, n, proposed)
+                       for request, n, proposed in scheduled],
             num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             new_requests=new_requests, finished_request_ids=self.finished_request_ids)
         self.finished_request_ids = set()
-        self.in_flight.update(request.request_id for request, _ in scheduled)
+        self.in_flight.update(request.request_id for request, _, _ in scheduled)
         return output
+
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Tokens to verify after a decoding request's next one: within the budget, the
+        request's max_tokens, and none for a request whose sampling follows a grammar."""
+        speculative = self.config.speculative
+        assert speculative is not None
+        params = request.sampling_params
+        if not isinstance(params, SamplingParams) or params.structured_outputs is not None:
+            return []
+        k = min(speculative.num_speculative_tokens, budget - 1,
+                request.max_tokens - request.num_output_tokens - 1)
+        return propose_ngram(request.all_token_ids, speculative.prompt_lookup_min,
+                             speculative.prompt_lookup_max, k)
 
     def _outgrows_rope(self, request: Request) -> bool:
         """Whether the request has just grown past LongRoPE's pretraining length, where its
@@ -138,9 +170,10 @@ class Scheduler:
                     if r.request_id not in self.in_flight)
 
     @staticmethod
-    def _describe(request: Request, num_new: int) -> ScheduledRequest:
+    def _describe(request: Request, num_new: int, proposed: list[int]) -> ScheduledRequest:
         """The step's share of the request, as a change to what the runner holds (its
-        prompt is sent whole the first time, as NewRequestData)."""
+        prompt is sent whole the first time, as NewRequestData); ``proposed``: the
+        speculative tokens among the ``num_new``."""
         start = request.num_computed_tokens
         sent = request.num_tokens_sent or request.num_prompt_tokens
         request.num_tokens_sent = request.num_tokens
@@ -153,8 +186,9 @@ class Scheduler:
             new_token_ids=request.all_token_ids[sent:],
             block_start=first_block,
             new_block_ids=[table[first_block:] for table in request.block_tables],
-            sample=start + num_new == request.num_tokens,
-            long_rope=request.long_rope)
+            sample=start + num_new - len(proposed) == request.num_tokens,
+            long_rope=request.long_rope,
+            spec_token_ids=proposed)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -163,13 +197,14 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]],
                            failed: dict[str, str] | None = None,
-                           pooled: Collection[str] = ()) -> list[Request]:
+                           pooled: Collection[str] = ()) -> list[tuple[Request, list[int]]]:
         """Advance the scheduled requests after the step ran; returns the requests that
-        got a new token, were pooled (``pooled``: pooling requests whose whole input is
-        computed, which end there) or failed (``failed``: their sampling raised). Requests
-        that finished are freed."""
+        got new tokens, with them (``sampled``: one, or with speculation the accepted
+        proposals and the token after them, cut at a stop), were pooled (``pooled``:
+        pooling requests whose whole input is computed, which end there) or failed
+        (``failed``: their sampling raised). Requests that finished are freed."""
         updated = []
         for item in output.scheduled:
             self.in_flight.discard(item.request_id)
@@ -183,23 +218,33 @@ class Scheduler:
             if failed and item.request_id in failed:
                 request.status = RequestStatus.FINISHED_ERROR
                 self._finish(request)
-                updated.append(request)
+                updated.append((request, []))
                 continue
             before = request.num_computed_tokens
             request.num_computed_tokens = before + item.num_tokens
             if item.request_id in pooled:
                 request.status = RequestStatus.FINISHED_STOPPED
                 self._finish(request)
-                updated.append(request)
+                updated.append((request, []))
                 continue
+            token_ids = sampled.get(item.request_id)
+            if token_ids is None:
+                self.kv_cache_manager.cache_computed_blocks(request, before)
+                continue
+            if item.spec_token_ids:
+                self.spec_stats.add(len(item.spec_token_ids), len(token_ids) - 1)
+            for n, token in enumerate(token_ids, start=1):
+                request.append_output_token(token)
+                if request.check_stop():
+                    token_ids = token_ids[:n]
+                    break
+            # The newest token's KV is computed in its next step; past it (rejected
+            # proposals) the cache holds stale entries that step overwrites.
+            request.num_computed_tokens = request.num_tokens - 1
             self.kv_cache_manager.cache_computed_blocks(request, before)
-            token = sampled.get(item.request_id)
-            if token is None:
-                continue
-            request.append_output_token(token)
-            if request.check_stop():
+            if request.status.finished:
                 self._finish(request)
-            updated.append(request)
+            updated.append((request, token_ids))
         return updated
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
@@ -223,3 +268,25 @@ class Scheduler:
             self.kv_cache_manager.free(request)
             self.finished_request_ids.add(request.request_id)
         del self.requests[request.request_id]
+
+
+class SpecDecodeStats:
+    """Running totals of speculative decoding, as vLLM's ``vllm:spec_decode_*`` metrics
+    count them: steps that verified proposals, tokens proposed, tokens accepted, and
+    accepted tokens by their place in the proposal."""
+
+    def __init__(self) -> None:
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position: list[int] = []
+
+    def add(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        grow = num_proposed - len(self.accepted_per_position)
+        if grow > 0:
+            self.accepted_per_position.extend([0] * grow)
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1

@@ -209,8 +209,9 @@ class ModelRunner(RunnerBase):
         items = self.requests.update(scheduler_output)
         if not items:
             return ModelRunnerOutput()
-        # Single-token requests first: attention runs them on its decode path.
-        items.sort(key=lambda r: r.num_tokens > 1)
+        # Decoding requests first (one new token, and any proposed after it): attention runs
+        # them on its decode path.
+        items.sort(key=lambda r: r.num_tokens - len(r.spec_token_ids) > 1)
         input_ids, positions, meta, query_ends = self._prepare_inputs(items)
         layout = self.layout
         intermediate = None
@@ -232,7 +233,10 @@ class ModelRunner(RunnerBase):
         rows = [i for i, item in enumerate(items)
                 if item.sample and isinstance(item.sampling_params, SamplingParams)]
         prompt_rows = self._prompt_logprob_rows(items, query_ends)
-        logits_index = [int(query_ends[i]) - 1 for i in rows]
+        # a sampling request's last num_rows positions (more than one with proposals)
+        logits_index = [position for i in rows for position in
+                        range(int(query_ends[i]) - items[i].num_rows, int(query_ends[i]))]
+        num_rows = len(logits_index)
         for _, flat_index, _ in prompt_rows:
             logits_index.extend(flat_index)
         if not logits_index:
@@ -246,8 +250,8 @@ class ModelRunner(RunnerBase):
         # float32 (an argmax or the fused draw widens bfloat16 as it reads it)
 
         if rows:
-            self._sample([items[i] for i in rows], logits[:len(rows)], output)
-        offset = len(rows)
+            self._sample([items[i] for i in rows], logits[:num_rows], output)
+        offset = num_rows
         for item, flat_index, targets in prompt_rows:
             chunk = logits[offset:offset + len(flat_index)]
             offset += len(flat_index)
@@ -279,52 +283,59 @@ class ModelRunner(RunnerBase):
 
     def _sample(self, sampled: list[RequestState], logits: torch.Tensor,
                 output: ModelRunnerOutput) -> None:
-        """The next token (and logprobs) of every sampling request, in one batch; if the
-        batch raises, each request alone, so that one whose sampling raises fails by
-        itself (``output.failed``) and the others get their tokens."""
-        batch = self._sampling_batch(sampled)
+        """The new tokens (and logprobs) of every sampling request, in one batch of rows
+        (``RequestState.num_rows`` each); if the batch raises, each request alone, so that
+        one whose sampling raises fails by itself (``output.failed``) and the others get
+        their tokens. A request with proposed tokens keeps those its samples confirm
+        (``_accepted``)."""
         guided_rows, allowed, failed = self.guided.masks(
-            [r.request_id for r in sampled], batch.params, batch.output_token_ids)
+            [r.request_id for r in sampled], [r.sampling_params for r in sampled],
+            [r.output_token_ids for r in sampled])
         output.failed.update(failed)
+        # the grammar's tokens by request (a guided request is never given proposals)
+        masks = {sampled[row].request_id: allowed[n] for n, row in enumerate(guided_rows)}
         if failed:  # those rows are not sampled
-            keep = [i for i, r in enumerate(sampled) if r.request_id not in failed]
-            sampled, logits = [sampled[i] for i in keep], logits[keep]
-            batch = self._sampling_batch(sampled)
-            guided_rows = [keep.index(row) for row in guided_rows]
+            ends = np.cumsum([r.num_rows for r in sampled])
+            index = [row for r, end in zip(sampled, ends, strict=True)
+                     if r.request_id not in failed for row in range(end - r.num_rows, end)]
+            sampled = [r for r in sampled if r.request_id not in failed]
+            logits = logits[index]
             if not sampled:
                 return
-        batch.guided_rows, batch.allowed = guided_rows, allowed
         try:
-            results = [(sampled, self.sampler(logits, batch))]
+            results = [(sampled, self.sampler(logits, self._sampling_batch(sampled, masks)))]
         except Exception:  # noqa: BLE001 - found out request by request below
             logger.exception("Sampling a batch of %d failed; sampling each request alone",
                              len(sampled))
             results = []
-            for row, item in enumerate(sampled):
-                alone = self._sampling_batch([item])
-                if row in guided_rows:
-                    assert allowed is not None
-                    alone.guided_rows = [0]
-                    alone.allowed = allowed[guided_rows.index(row)][None]
+            start = 0
+            for item in sampled:
+                rows = logits[start:start + item.num_rows]
+                start += item.num_rows
                 try:
-                    result = self.sampler(logits[row:row + 1], alone)
+                    result = self.sampler(rows, self._sampling_batch([item], masks))
                 except Exception as e:  # noqa: BLE001 - this request fails, the rest go on
                     output.failed[item.request_id] = f"sampling failed: {type(e).__name__}: {e}"
                     continue
                 results.append(([item], result))
         for items, (tokens, logprobs) in results:
-            for row, (item, token) in enumerate(zip(items, tokens, strict=True)):
+            row = 0
+            for item in items:
+                new = _accepted(item.spec_token_ids, tokens[row:row + item.num_rows])
                 if item.sampling_params.structured_outputs is not None:
-                    error = self.guided.advance(item.request_id, token)
+                    error = self.guided.advance(item.request_id, new[0])
                     if error is not None:
                         output.failed[item.request_id] = error
+                        row += item.num_rows
                         continue
-                output.sampled_token_ids[item.request_id] = token
+                output.sampled_token_ids[item.request_id] = new
                 if logprobs is not None and item.sampling_params.logprobs is not None:
                     k = item.sampling_params.logprobs + 1
+                    kept = slice(row, row + len(new))
                     output.logprobs[item.request_id] = LogprobsLists(
-                        [logprobs.token_ids[row][:k]], [logprobs.logprobs[row][:k]],
-                        [logprobs.ranks[row]])
+                        [ids[:k] for ids in logprobs.token_ids[kept]],
+                        [lps[:k] for lps in logprobs.logprobs[kept]], logprobs.ranks[kept])
+                row += item.num_rows
 
     def _prepare_inputs(self, items: list[RequestState]
                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
@@ -357,24 +368,31 @@ class ModelRunner(RunnerBase):
         slot_mapping = np.ascontiguousarray(block_tables[:, request_of_token, positions // bs] * bs
                                             + positions % bs)
 
-        nd = int((query_lens == 1).sum())
-        decode_len = int(seq_lens[:nd].max()) if nd else 0
-        decode_blocks = cdiv(decode_len, bs)
-        p_lens, p_starts = query_lens[nd:], starts[nd:]
+        # The decoding requests' tokens are each a query of its own on the decode path: one
+        # with proposed tokens is several decodes over the same blocks, the context of each
+        # ending at its own position (so the causal mask is their lengths):
+        #   positions c, c+1, c+2 (a token, two proposals) -> seq_lens c+1, c+2, c+3
+        decoding = int(((query_lens - [len(r.spec_token_ids) for r in items]) == 1).sum())
+        nd = int(query_ends[decoding - 1]) if decoding else 0  # decode tokens
+        decode_seq_lens = positions[:nd] + 1
+        decode_blocks = cdiv(int(decode_seq_lens.max()), bs) if nd else 0
+        p_lens, p_starts = query_lens[decoding:], starts[decoding:]
         max_q = int(p_lens.max()) if len(p_lens) else 0
-        prefill_blocks = cdiv(int(seq_lens[nd:].max()), bs) if len(p_lens) else 0
+        prefill_blocks = cdiv(int(seq_lens[decoding:].max()), bs) if len(p_lens) else 0
         prefill_query_index = (np.repeat(np.arange(len(p_lens)) * max_q, p_lens)
                                + np.arange(num_tokens - nd)
                                - np.repeat(np.cumsum(p_lens) - p_lens, p_lens))
+        decode_rows = request_of_token[:nd]
         meta = AttentionMetadata(
             slot_mapping=list(torch.from_numpy(slot_mapping)),
             num_decode_tokens=nd,
-            decode_block_tables=[torch.from_numpy(np.ascontiguousarray(tables[:nd, :decode_blocks]))
-                                 for tables in block_tables],
-            decode_seq_lens=torch.from_numpy(seq_lens[:nd]),
+            decode_block_tables=[
+                torch.from_numpy(np.ascontiguousarray(tables[decode_rows, :decode_blocks]))
+                for tables in block_tables],
+            decode_seq_lens=torch.from_numpy(decode_seq_lens),
             sliding_window=self.sliding_window or 0,
             prefill_block_tables=[
-                torch.from_numpy(np.ascontiguousarray(tables[nd:, :prefill_blocks]))
+                torch.from_numpy(np.ascontiguousarray(tables[decoding:, :prefill_blocks]))
                 for tables in block_tables],
             prefill_query_index=torch.from_numpy(prefill_query_index),
             prefill_max_query_len=max_q,
@@ -402,15 +420,44 @@ class ModelRunner(RunnerBase):
                          item.prompt_token_ids[first + 1:last + 1]))
         return rows
 
-    def _sampling_batch(self, items: list[RequestState]) -> SamplingBatch:
+    def _sampling_batch(self, items: list[RequestState],
+                        masks: dict[str, torch.Tensor]) -> SamplingBatch:
+        """The sampler's view of the items' rows: a request's row j follows its outputs and
+        its first j proposed tokens; ``masks``: the guided requests' allowed tokens."""
+        params: list[SamplingParams] = []
+        prompts: list[list[int]] = []
+        outputs: list[list[int]] = []
         generators: list[torch.Generator | None] = []
+        guided_rows: list[int] = []
         for item in items:
             seed = item.sampling_params.seed
             if seed is not None and item.request_id not in self.generators:
                 self.generators[item.request_id] = torch.Generator().manual_seed(seed)
-            generators.append(self.generators.get(item.request_id))
-        return SamplingBatch(params=[r.sampling_params for r in items],
-                             prompt_token_ids=[r.prompt_token_ids for r in items],
-                             output_token_ids=[r.output_token_ids for r in items],
+            if item.request_id in masks:
+                guided_rows.append(len(params))
+            for j in range(item.num_rows):
+                params.append(item.sampling_params)  # type: ignore[arg-type]
+                prompts.append(item.prompt_token_ids)
+                outputs.append(item.output_token_ids + item.spec_token_ids[:j] if j
+                               else item.output_token_ids)
+                generators.append(self.generators.get(item.request_id))
+        allowed = torch.stack([masks[r.request_id] for r in items if r.request_id in masks]) \
+            if guided_rows else None
+        return SamplingBatch(params=params, prompt_token_ids=prompts, output_token_ids=outputs,
                              generators=generators,
-                             generator=getattr(self._bound, "generator", None))
+                             generator=getattr(self._bound, "generator", None),
+                             guided_rows=guided_rows, allowed=allowed)
+
+
+def _accepted(proposed: list[int], sampled: list[int]) -> list[int]:
+    """The new tokens of a request whose rows sampled ``sampled`` after each of its
+    ``proposed`` tokens' predecessors: the proposals up to the first one its row did not
+    sample, then that row's token (all match: the last row's, one past the proposals).
+    Rejection sampling for a proposal of one token per place: a row samples the proposed
+    token with exactly the probability the target gives it, and when it samples another,
+    that one is distributed as the target's residual, so the output keeps the target's
+    distribution."""
+    n = 0
+    while n < len(proposed) and sampled[n] == proposed[n]:
+        n += 1
+    return sampled[:n + 1]

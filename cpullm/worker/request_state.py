@@ -14,7 +14,8 @@ class RequestState:
     step that schedules it now (a request is in one step at a time)."""
 
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "output_token_ids",
-                 "block_tables", "num_computed_tokens", "num_tokens", "sample", "long_rope")
+                 "block_tables", "num_computed_tokens", "num_tokens", "sample", "long_rope",
+                 "spec_token_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams | PoolingParams) -> None:
@@ -27,12 +28,22 @@ class RequestState:
         self.num_tokens = 0  # tokens the step computes
         self.sample = False  # the step reaches the last token, so it samples the next
         self.long_rope = False  # LongRoPE: the positions take the long factors
+        self.spec_token_ids: list[int] = []  # proposed tokens, the step's last ones
+
+    @property
+    def num_rows(self) -> int:
+        """The positions that sample this step: the last one, and before it one per
+        proposed token (0: a prompt chunk that does not reach the end)."""
+        return 1 + len(self.spec_token_ids) if self.sample else 0
 
     @property
     def token_ids(self) -> list[int]:
         """The tokens the step computes."""
         prompt, start, end = self.prompt_token_ids, self.num_computed_tokens, \
-            self.num_computed_tokens + self.num_tokens
+            self.num_computed_tokens + self.num_tokens - len(self.spec_token_ids)
+        return self._known_tokens(prompt, start, end) + self.spec_token_ids
+
+    def _known_tokens(self, prompt: list[int], start: int, end: int) -> list[int]:
         if end <= len(prompt):
             return prompt[start:end]
         first = max(start - len(prompt), 0)
@@ -67,6 +78,7 @@ class RequestStates:
             state.num_tokens = step.num_tokens
             state.sample = step.sample
             state.long_rope = step.long_rope
+            state.spec_token_ids = step.spec_token_ids
             items.append(state)
         return items
 

@@ -70,12 +70,32 @@ class _EngineCollector(Collector):
              lambda s: s.prefix_cache_queries),
             ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
              lambda s: s.prefix_cache_hits))
+        if self.engine.config.scheduler.speculative is not None:
+            counters += (
+                ("vllm:spec_decode_num_drafts", "Steps that verified proposed tokens.",
+                 lambda s: s.spec_num_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Proposed tokens verified.",
+                 lambda s: s.spec_num_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                 lambda s: s.spec_num_accepted_tokens))
         for family, metrics in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, doc, value in metrics:
                 metric = family(name, doc, labels=_LABELS)
                 for replica, stats in replicas:
                     metric.add_metric([self.model_name, str(replica)], value(stats))
                 yield metric
+        speculative = self.engine.config.scheduler.speculative
+        if speculative is not None:
+            metric = CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Proposed tokens accepted, by their place in the proposal.",
+                labels=[*_LABELS, "position"])
+            for replica, stats in replicas:
+                accepted = stats.spec_accepted_per_position
+                for position in range(speculative.num_speculative_tokens):
+                    metric.add_metric([self.model_name, str(replica), str(position)],
+                                      accepted[position] if position < len(accepted) else 0)
+            yield metric
 
 
 class RequestMetrics:

@@ -1,0 +1,32 @@
+"""N-gram lookup (prompt lookup decoding): guess that the text goes on as it went on after
+the latest earlier occurrence of its last n tokens. Pays where the output copies its
+input (rewriting, summarizing, code edits); proposes nothing where no n-gram recurs."""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the last n tokens
+    of ``token_ids``, for the largest n in [min_n, max_n] that has one; [] for none."""
+    if k < 1 or len(token_ids) <= min_n:
+        return []
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    # Candidates: every earlier position whose token equals the last one; an n-gram match
+    # must end at one of them (and leave at least one token after it).
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        found = ends[ends >= n - 1]
+        if not len(found):
+            continue
+        if n > 1:
+            # [candidates, n]: the n tokens ending at each candidate
+            grams = sliding_window_view(tokens, n)[found - (n - 1)]
+            found = found[(grams == tokens[-n:]).all(axis=1)]
+            if not len(found):
+                continue
+        start = int(found[-1]) + 1
+        return token_ids[start:start + k]
+    return []

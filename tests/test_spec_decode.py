@@ -1,0 +1,212 @@
+"""Speculative decoding: n-gram proposals, their verification, and the engine around them."""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+
+import openai
+import pytest
+import torch
+from conftest import assert_pool_free
+from server_utils import RemoteServer
+
+from cpullm import LLM, SamplingParams
+from cpullm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from cpullm.engine.request import Request, RequestStatus
+from cpullm.engine.scheduler import Scheduler
+from cpullm.spec_decode.ngram import propose_ngram
+from cpullm.worker.model_runner import _accepted
+from cpullm.worker.sampler import Sampler, SamplingBatch
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 5}
+
+
+def test_ngram_takes_the_longest_latest_match():
+    tokens = [1, 2, 3, 4, 1, 2, 3, 9, 9, 1, 2]
+    assert propose_ngram(tokens, 2, 3, 3) == [3, 9, 9]  # [1, 2] last seen at 4..5
+    assert propose_ngram([1, 2, 3, 4, 5, 2, 3, 7, 1, 2, 3], 1, 3, 2) == [4, 5]  # [1, 2, 3]
+    assert propose_ngram([1, 2, 3, 4, 1, 2], 2, 2, 10) == [3, 4, 1, 2]  # to the end
+    assert propose_ngram([5, 6, 7, 8], 1, 3, 4) == []  # nothing recurs
+    assert propose_ngram([7, 1, 7], 2, 3, 4) == []  # below prompt_lookup_min
+    assert propose_ngram([1, 2, 1, 2], 2, 2, 0) == []
+
+
+def test_speculative_config_reads_vllm_keys_and_refuses_by_name():
+    config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (5, 5)
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3,
+                                      "prompt_lookup_max": 4})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (4, 4)
+    assert SpeculativeConfig.parse(None) is None
+    for bad, words in [
+            ({"method": "ngram"}, "num_speculative_tokens is required"),
+            ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+            ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+              "prompt_lookup_max": 2}, "prompt_lookup_min"),
+            ({"method": "ngram", "num_speculative_tokens": "2"}, "must be an integer"),
+            ({"method": "ngram", "num_speculative_tokens": 2, "draft": 1}, "unknown keys"),
+            ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1},
+             "disable_by_batch_size"),
+            ({"model": "some/draft", "num_speculative_tokens": 2}, "'draft_model'"),
+            ({"method": "eagle3", "model": "x"}, "not supported yet"),
+            ({"method": "lookahead", "num_speculative_tokens": 2}, "method must be one of"),
+            ("{not json", "not JSON")]:
+        with pytest.raises(ValueError, match=words):
+            SpeculativeConfig.parse(bad)
+
+
+def _scheduler(num_blocks: int = 16, budget: int = 64, **spec) -> Scheduler:
+    speculative = SpeculativeConfig.parse({**NGRAM, **spec})
+    return Scheduler(SchedulerConfig(8, budget, 1024, speculative=speculative),
+                     CacheConfig(block_size=32, num_blocks=num_blocks,
+                                 enable_prefix_caching=False))
+
+
+def _decoding(scheduler: Scheduler, prompt: list[int], max_tokens: int = 100,
+              stop: list[int] | None = None) -> Request:
+    """A request whose prompt is computed and that sampled its first token, 9."""
+    request = Request("r", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                  stop_token_ids=stop or []), {0}, 1024)
+    scheduler.add_request(request)
+    output = scheduler.schedule()
+    assert not output.scheduled[0].spec_token_ids  # a prompt chunk proposes nothing
+    scheduler.update_from_output(output, {"r": [9]})
+    return request
+
+
+def test_scheduler_budgets_proposals_and_keeps_the_accepted():
+    scheduler = _scheduler()
+    request = _decoding(scheduler, [8, 9, 1, 2, 3, 4, 5, 8])  # then 9: [8, 9] recurs
+    output = scheduler.schedule()
+    item = output.scheduled[0]
+    assert item.spec_token_ids == [1, 2, 3, 4] and item.num_tokens == 5 and item.sample
+    assert output.num_scheduled_tokens == 5
+    assert len(request.block_table) == 1  # positions 8..12 fit the first block
+    # the rows sampled 1, 2, then 7 where 3 was proposed: two accepted, then the 7
+    updated = scheduler.update_from_output(output, {"r": [1, 2, 7]})
+    assert updated == [(request, [1, 2, 7])]
+    assert request.output_token_ids == [9, 1, 2, 7]
+    assert request.num_computed_tokens == request.num_tokens - 1
+    stats = scheduler.spec_stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 4, 2)
+    assert stats.accepted_per_position == [1, 1, 0, 0]
+
+
+def test_proposals_stop_at_max_tokens_and_a_stop_cuts_the_accepted():
+    scheduler = _scheduler()
+    request = _decoding(scheduler, [3, 9, 1, 2, 3, 4, 5, 6, 3], max_tokens=3)
+    output = scheduler.schedule()  # [3, 9] recurs: 1, 2, 3 proposed, but 3 tokens in all
+    assert output.scheduled[0].spec_token_ids == [1]
+    scheduler.update_from_output(output, {"r": [1, 2]})
+    assert request.output_token_ids == [9, 1, 2]
+    assert request.status == RequestStatus.FINISHED_LENGTH
+
+    scheduler = _scheduler()
+    request = _decoding(scheduler, [3, 9, 1, 2, 3, 4, 5, 6, 3], stop=[2])
+    output = scheduler.schedule()
+    assert output.scheduled[0].spec_token_ids == [1, 2, 3, 4]
+    # all four accepted and one more, but the stop token 2 ends the request there
+    assert scheduler.update_from_output(output, {"r": [1, 2, 3, 4, 5]}) == \
+        [(request, [1, 2])]
+    assert request.output_token_ids == [9, 1, 2] and request.stop_reason == 2
+    assert scheduler.kv_cache_manager.num_free_blocks == 16
+
+
+def test_proposals_wait_for_room_and_stop_above_the_batch_size():
+    scheduler = _scheduler(budget=3)  # a token and two proposals
+    _decoding(scheduler, [3, 9, 1, 2, 3, 4, 3])
+    assert scheduler.schedule().scheduled[0].spec_token_ids == [1, 2]
+
+    scheduler = _scheduler(disable_by_batch_size=2)
+    for i in range(2):
+        scheduler.add_request(Request(f"r{i}", [3, 9, 1, 2, 3, 4, 3, 9],
+                                      SamplingParams(max_tokens=10), {0}, 1024))
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, {item.request_id: [1] for item in output.scheduled})
+    assert all(not item.spec_token_ids for item in scheduler.schedule().scheduled)
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """Rows that sample after a proposed token keep the target's distribution: the first
+    new token is distributed as the first row's target, and after an accepted proposal the
+    next as the second row's (50,000 draws, total variation under 2%)."""
+    torch.manual_seed(0)
+    vocab, trials = 6, 50_000
+    target = torch.tensor([[0.05, 0.4, 0.1, 0.25, 0.15, 0.05],
+                           [0.3, 0.05, 0.2, 0.1, 0.05, 0.3]])
+    proposed = [3]  # rows: after the context, after the proposal (the bonus token's)
+    logits = target.log().repeat(trials, 1)  # [trials * 2, vocab]: 2 rows a trial
+    params = SamplingParams(temperature=1.0)
+    batch = SamplingBatch(params=[params] * (2 * trials),
+                          prompt_token_ids=[[1]] * (2 * trials),
+                          output_token_ids=[[]] * (2 * trials),
+                          generators=[None] * (2 * trials))
+    tokens, _ = Sampler(vocab, {vocab + 1})(logits, batch)
+    news = [_accepted(proposed, tokens[2 * t:2 * t + 2]) for t in range(trials)]
+    first = torch.bincount(torch.tensor([n[0] for n in news]), minlength=vocab) / trials
+    assert (first - target[0]).abs().sum() / 2 < 0.02
+    seconds = torch.tensor([n[1] for n in news if len(n) > 1])
+    assert len(seconds) > 0.2 * trials  # the proposal 3 is accepted a quarter of the time
+    second = torch.bincount(seconds, minlength=vocab) / len(seconds)
+    assert (second - target[1]).abs().sum() / 2 < 0.02
+    assert max(len(n) for n in news) == 2
+
+
+def _code_prompts() -> list[str]:
+    """Input-grounded prompts: rewriting code that is in the prompt."""
+    return [f"Fix the bug in this Python code. Reply with the corrected code only.\n\n"
+            f"```python\n{inspect.getsource(function)}```"
+            for function in (textwrap.dedent, textwrap.indent, textwrap.shorten)]
+
+
+@pytest.mark.slow
+def test_greedy_output_is_the_same_with_ngram_speculation():
+    """The default model in float32, greedy: the same tokens with and without n-gram
+    speculation, in batches that mix proposals with prompt chunks (a budget of 64 tokens),
+    with logprobs; some proposals accepted, some rejected."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, logprobs=2)
+    engine = dict(dtype="float32", max_num_batched_tokens=64, max_num_seqs=4)
+    prompts = [[{"role": "user", "content": p}] for p in _code_prompts()]
+    plain = LLM(**engine).chat(prompts, greedy, use_tqdm=False)
+    llm = LLM(**engine, speculative_config=NGRAM)
+    fast = llm.chat(prompts, greedy, use_tqdm=False)
+    for a, b in zip(plain, fast, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].text == b.outputs[0].text
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t].logprob - y[t].logprob) < 1e-3 for t in x)
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert_pool_free(llm)
+
+
+@pytest.mark.slow
+def test_server_with_ngram_speculation():
+    """Through the server, streamed and not: the greedy text of the offline engine without
+    speculation; the spec-decode counters move."""
+    prompt = _code_prompts()[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40)
+    expected = LLM(dtype="float32").generate([prompt], greedy, use_tqdm=False)[0]
+    server = RemoteServer(["--dtype", "float32", "--speculative-config",
+                           '{"method": "ngram", "num_speculative_tokens": 3}'])
+    try:
+        assert "Speculative decoding: ngram, up to 3 tokens a step" in server.log()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        whole = client.completions.create(model=model, prompt=prompt, max_tokens=40,
+                                          temperature=0.0)
+        assert whole.choices[0].text == expected.outputs[0].text
+        stream = client.completions.create(model=model, prompt=prompt, max_tokens=40,
+                                           temperature=0.0, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream) == expected.outputs[0].text
+        metrics = server.metrics()
+        assert metrics["vllm:spec_decode_num_drafts_total"] > 0
+        assert 0 < metrics["vllm:spec_decode_num_accepted_tokens_total"] \
+            <= metrics["vllm:spec_decode_num_draft_tokens_total"]
+        assert metrics["vllm:spec_decode_num_accepted_tokens_per_pos_total"] == \
+            metrics["vllm:spec_decode_num_accepted_tokens_total"]
+    finally:
+        server.stop()
