@@ -158,7 +158,6 @@ def _code_edit_prompt(llm: LLM, source: list[str], input_len: int,
     tokenizer = llm.get_tokenizer()
     start = int(rng.integers(0, len(source) // 2))
     code: list[str] = []
-    messages: list[dict[str, str]] = []
     ids: list[int] = []
     for line in source[start:]:
         code.append(line)
@@ -166,7 +165,9 @@ def _code_edit_prompt(llm: LLM, source: list[str], input_len: int,
             continue
         messages = [{"role": "user", "content": "Fix the bug in this Python code. Reply "
                      "with the corrected code only.\n\n```python\n" + "".join(code) + "```"}]
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True)
+        ids = tokenizer.encode(text, add_special_tokens=False)
         if len(ids) >= input_len:
             break
     return list(ids)
