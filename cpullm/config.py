@@ -225,12 +225,11 @@ class CacheConfig:
             raise ValueError(f"block_size must be a positive multiple of 32, got {block_size}")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 # vLLM's other methods, refused by name until they are built
-_SPECULATIVE_LATER = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator",
-                      "suffix")
+_SPECULATIVE_LATER = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix")
 _SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min",
-                     "prompt_lookup_max", "disable_by_batch_size")
+                     "prompt_lookup_max", "disable_by_batch_size", "model", "adaptive")
 
 
 @dataclass(frozen=True)
@@ -238,7 +237,8 @@ class SpeculativeConfig:
     """Speculative decoding (vLLM's ``--speculative-config``): each decode step also
     verifies up to ``num_speculative_tokens`` proposed tokens. ``ngram`` proposes the
     tokens that followed the latest earlier occurrence of the request's last n tokens
-    (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``)."""
+    (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``); ``draft_model`` the
+    greedy continuation of a smaller model of the same vocabulary (``model``)."""
 
     method: str
     num_speculative_tokens: int
@@ -246,6 +246,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     # no proposals in a step that runs this many requests or more (None: any number)
     disable_by_batch_size: int | None = None
+    model: str | None = None  # draft_model: the draft's folder or GGUF file
+    # cpullm's: propose only as much as pays, by step times measured at startup and the
+    # acceptance rate (spec_decode/policy.py); False: k tokens every step, as vLLM
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -261,6 +265,9 @@ class SpeculativeConfig:
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
             raise ValueError("speculative config: disable_by_batch_size must be >= 2, got "
                              f"{self.disable_by_batch_size}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative config: model (the draft) is required with method "
+                             "draft_model, and only there")
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -284,7 +291,11 @@ class SpeculativeConfig:
             raise ValueError(f"speculative config: unknown keys {unknown} ("
                              + ", ".join(_SPECULATIVE_KEYS) + ")")
         fields = dict(value)
-        for key in _SPECULATIVE_KEYS[1:]:
+        if fields.get("model") is not None and not isinstance(fields["model"], str):
+            raise ValueError("speculative config: model must be a path")
+        if not isinstance(fields.get("adaptive", True), bool):
+            raise ValueError("speculative config: adaptive must be true or false")
+        for key in _SPECULATIVE_KEYS[1:-2]:
             if fields.get(key) is not None and (not isinstance(fields[key], int)
                                                 or isinstance(fields[key], bool)):
                 raise ValueError(f"speculative config: {key} must be an integer")
@@ -372,6 +383,8 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
+    # speculative decoding with a draft model: the draft's engine, in the same process
+    draft: EngineConfig | None = None
 
     def replica(self, rank: int) -> EngineConfig:
         """The config of data-parallel replica ``rank``: the CPUs of its own ranks only."""
@@ -383,5 +396,7 @@ class EngineConfig:
         if binding.rank_cpus:
             binding = dataclasses.replace(
                 binding, rank_cpus=binding.rank_cpus[rank * size:(rank + 1) * size])
-        return dataclasses.replace(self, parallel=dataclasses.replace(
-            parallel, binding=binding, data_parallel_rank=rank))
+        parallel = dataclasses.replace(parallel, binding=binding, data_parallel_rank=rank)
+        draft = None if self.draft is None else dataclasses.replace(self.draft,
+                                                                    parallel=parallel)
+        return dataclasses.replace(self, parallel=parallel, draft=draft)

@@ -229,7 +229,9 @@ class EngineArgs:
         parser.add_argument("--speculative-config", default=d.speculative_config,
                             help='speculative decoding as JSON, vLLM\'s keys, e.g. '
                             '\'{"method": "ngram", "num_speculative_tokens": 4, '
-                            '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (see '
+                            '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or '
+                            '\'{"method": "draft_model", "model": PATH, '
+                            '"num_speculative_tokens": 4}\' (see '
                             "docs/speculative-decoding.md); unset: none")
         parser.add_argument("--load-format", default=d.load_format, choices=list(LOAD_FORMATS),
                             help="what weights to load: auto (safetensors or GGUF; a folder "
@@ -355,7 +357,37 @@ class EngineArgs:
                                                                   scheduler, groups)
         cache = CacheConfig(self.block_size, num_blocks,
                             self.enable_prefix_caching and not encoder, groups)
-        return EngineConfig(model_config, cache, scheduler, parallel)
+        config = EngineConfig(model_config, cache, scheduler, parallel)
+        if speculative is not None and speculative.model is not None:
+            config = dataclasses.replace(config, draft=self._draft_config(config,
+                                                                          speculative.model))
+        return config
+
+    def _draft_config(self, target: EngineConfig, model: str) -> EngineConfig:
+        """The draft model's engine: the target's dtype, context, budgets and CPUs, and KV
+        room for as many tokens as the target's cache holds."""
+        if target.parallel.world_size > 1:
+            raise ValueError("speculative config: a draft model with tensor or pipeline "
+                             "parallelism is not supported yet")
+        logger.info("Draft model: %s", model)
+        tokens = target.cache.num_blocks * target.cache.block_size
+        args = dataclasses.replace(
+            self, model=model, tokenizer=None, speculative_config=None, chat_template=None,
+            served_model_name=None, quantization=None, lm_head_quantization=None,
+            max_model_len=target.model.max_model_len, enable_prefix_caching=False,
+            task="generate", runner="auto", convert="auto", override_pooler_config=None,
+            kv_cache_memory_bytes=tokens * target.model.kv_bytes_per_token(),
+            max_num_seqs=target.scheduler.max_num_seqs,
+            max_num_batched_tokens=target.scheduler.max_num_batched_tokens)
+        draft = args.create_engine_config()
+        if draft.model.vocab_size != target.model.vocab_size:
+            raise ValueError(f"speculative config: the draft model's vocabulary "
+                             f"({draft.model.vocab_size} tokens) is not the target's "
+                             f"({target.model.vocab_size}): it must use the same tokenizer")
+        cache = dataclasses.replace(draft.cache, num_blocks=target.cache.num_blocks)
+        logger.info("Draft model KV cache: %d blocks of %d tokens, %.2f GiB", cache.num_blocks,
+                    cache.block_size, tokens * draft.model.kv_bytes_per_token() / (1 << 30))
+        return dataclasses.replace(draft, cache=cache, parallel=target.parallel)
 
     def _asks_pooling(self) -> bool:
         return self.task in ("embed", "embedding", "classify", "score") or \

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import inspect
+import json
+import shutil
+import subprocess
+import sys
 import textwrap
 
 import openai
@@ -16,11 +20,14 @@ from cpullm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from cpullm.engine.request import Request, RequestStatus
 from cpullm.engine.scheduler import Scheduler
 from cpullm.spec_decode.ngram import propose_ngram
+from cpullm.spec_decode.policy import SpeculationPolicy
+from cpullm.structured_output import StructuredOutputsParams
 from cpullm.worker.model_runner import _accepted
 from cpullm.worker.sampler import Sampler, SamplingBatch
 
+# (adaptive off: every step proposes, whatever the machine's step times)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-         "prompt_lookup_max": 5}
+         "prompt_lookup_max": 5, "adaptive": False}
 
 
 def test_ngram_takes_the_longest_latest_match():
@@ -49,7 +56,8 @@ def test_speculative_config_reads_vllm_keys_and_refuses_by_name():
             ({"method": "ngram", "num_speculative_tokens": 2, "draft": 1}, "unknown keys"),
             ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1},
              "disable_by_batch_size"),
-            ({"model": "some/draft", "num_speculative_tokens": 2}, "'draft_model'"),
+            ({"method": "ngram", "num_speculative_tokens": 2, "adaptive": 1}, "true or false"),
+            ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "only there"),
             ({"method": "eagle3", "model": "x"}, "not supported yet"),
             ({"method": "lookahead", "num_speculative_tokens": 2}, "method must be one of"),
             ("{not json", "not JSON")]:
@@ -128,6 +136,44 @@ def test_proposals_wait_for_room_and_stop_above_the_batch_size():
     assert all(not item.spec_token_ids for item in scheduler.schedule().scheduled)
 
 
+def _policy(seconds, k: int = 4, **spec) -> SpeculationPolicy:
+    policy = SpeculationPolicy(SpeculativeConfig.parse({**NGRAM, "num_speculative_tokens": k,
+                                                        **spec}))
+    policy.measure(lambda rows: seconds(rows), max_rows=32)
+    return policy
+
+
+def test_policy_proposes_where_extra_rows_are_cheap():
+    """Rows nearly free up to 8 (bound by reading the weights), then in proportion: one
+    stream gets every proposal, two get fewer, and from 8 streams on none pay."""
+    policy = _policy(lambda rows: max(1.0, rows / 8))
+    assert sorted(policy.step_seconds) == [1, 2, 4, 8, 16, 32]
+    assert policy.step_time(64) == pytest.approx(8.0)  # past the measured: linear
+    assert policy.num_proposals(1) == 4
+    assert 0 < policy.num_proposals(3) < 4
+    assert policy.num_proposals(8) == 0 and policy.num_proposals(100) == 0
+    assert policy.num_proposals(0) == 0
+    # unmeasured (a pipeline): every step, as vLLM; disable_by_batch_size still holds
+    unmeasured = SpeculationPolicy(SpeculativeConfig.parse(
+        {**NGRAM, "disable_by_batch_size": 4}))
+    assert unmeasured.num_proposals(3) == 4 and unmeasured.num_proposals(4) == 0
+
+
+def test_policy_follows_the_acceptance_and_probes_when_off():
+    policy = _policy(lambda rows: 1.0 + 0.1 * rows)  # 5 rows: 1.36x one row's time
+    # at the first guess of half accepted, 2 proposals gain the most: 1.75 tokens a step
+    # for 1.18x the time
+    assert policy.acceptance == 0.5 and policy.num_proposals(1) == 2
+    for _ in range(40):
+        policy.record(4, 0)  # every first proposal rejected
+    assert policy.acceptance < 0.05
+    picks = [policy.num_proposals(1) for _ in range(32)]
+    assert picks.count(0) == 30 and picks.count(4) == 2  # a probe every 16 steps
+    for _ in range(40):
+        policy.record(4, 4)
+    assert policy.acceptance > 0.9 and policy.num_proposals(1) == 4
+
+
 def test_rejection_sampling_keeps_the_target_distribution():
     """Rows that sample after a proposed token keep the target's distribution: the first
     new token is distributed as the first row's target, and after an accepted proposal the
@@ -154,6 +200,54 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert max(len(n) for n in news) == 2
 
 
+def _draft(model, num_tokens: int = 3) -> dict:
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": num_tokens,
+            "adaptive": False}
+
+
+def test_draft_model_greedy_identity(tiny_model, tmp_path_factory, tokenizer_dir):
+    """A tiny target with itself as the draft (every proposal accepted) and with another
+    random model of the same vocabulary (most rejected): the same greedy tokens as without
+    speculation, in float32, with chunked prefill and prompts of mixed lengths."""
+    from conftest import make_tiny_model
+
+    target = tiny_model("llama")
+    other = make_tiny_model(tmp_path_factory.mktemp("draft"), tokenizer_dir, "llama", seed=7)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [{"prompt_token_ids": torch.randint(100, 40000, (n,), generator=generator)
+                .tolist()} for n in (5, 40, 90)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    engine = dict(dtype="float32", block_size=32, max_model_len=256, max_num_batched_tokens=48)
+    expected = [o.outputs[0].token_ids for o in
+                LLM(str(target), **engine).generate(prompts, greedy, use_tqdm=False)]
+    for draft, accepted_all in ((target, True), (other, False)):
+        llm = LLM(str(target), **engine, speculative_config=_draft(draft))
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert got == expected, draft
+        stats = llm.llm_engine.scheduler.spec_stats
+        assert stats.num_drafts > 0
+        if accepted_all:
+            assert stats.num_accepted_tokens == stats.num_draft_tokens
+        else:
+            assert stats.num_accepted_tokens < stats.num_draft_tokens
+        assert_pool_free(llm)
+        drafter = llm.llm_engine.scheduler.proposer
+        assert drafter.kv_cache_manager.num_free_blocks == drafter.config.cache.num_blocks
+
+
+def test_draft_model_of_another_vocabulary_is_refused(tiny_model, tmp_path):
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_model("llama"), draft)
+    config = json.loads((draft / "config.json").read_text())
+    config["vocab_size"] += 64
+    (draft / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="draft model's vocabulary .* is not the target's"):
+        LLM(str(tiny_model("llama")), dtype="float32", speculative_config=_draft(draft))
+    with pytest.raises(ValueError, match="model .* is required with method draft_model"):
+        LLM(str(tiny_model("llama")), dtype="float32",
+            speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+
+
 def _code_prompts() -> list[str]:
     """Input-grounded prompts: rewriting code that is in the prompt."""
     return [f"Fix the bug in this Python code. Reply with the corrected code only.\n\n"
@@ -161,45 +255,79 @@ def _code_prompts() -> list[str]:
             for function in (textwrap.dedent, textwrap.indent, textwrap.shorten)]
 
 
-@pytest.mark.slow
-def test_greedy_output_is_the_same_with_ngram_speculation():
-    """The default model in float32, greedy: the same tokens with and without n-gram
-    speculation, in batches that mix proposals with prompt chunks (a budget of 64 tokens),
-    with logprobs; some proposals accepted, some rejected."""
-    greedy = SamplingParams(temperature=0.0, max_tokens=48, logprobs=2)
-    engine = dict(dtype="float32", max_num_batched_tokens=64, max_num_seqs=4)
-    prompts = [[{"role": "user", "content": p}] for p in _code_prompts()]
-    plain = LLM(**engine).chat(prompts, greedy, use_tqdm=False)
-    llm = LLM(**engine, speculative_config=NGRAM)
-    fast = llm.chat(prompts, greedy, use_tqdm=False)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, logprobs=2)
+# the default model in float32, and a budget of 64 tokens a step, so that proposals share
+# steps with prompt chunks
+ENGINE = dict(dtype="float32", max_num_batched_tokens=64, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def code_chats():
+    """The code prompts as chats, and their greedy answers without speculation."""
+    chats = [[{"role": "user", "content": p}] for p in _code_prompts()]
+    return chats, LLM(**ENGINE).chat(chats, GREEDY, use_tqdm=False)
+
+
+def _assert_same_answers(plain, fast) -> None:
     for a, b in zip(plain, fast, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].text == b.outputs[0].text
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert x.keys() == y.keys()
             assert all(abs(x[t].logprob - y[t].logprob) < 1e-3 for t in x)
+
+
+@pytest.mark.slow
+def test_greedy_output_is_the_same_with_ngram_speculation(code_chats):
+    """The default model in float32, greedy: the same tokens (and logprobs) with and
+    without n-gram speculation; some proposals accepted, some rejected."""
+    chats, plain = code_chats
+    llm = LLM(**ENGINE, speculative_config=NGRAM)
+    _assert_same_answers(plain, llm.chat(chats, GREEDY, use_tqdm=False))
     stats = llm.llm_engine.scheduler.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert_pool_free(llm)
 
 
 @pytest.mark.slow
-def test_server_with_ngram_speculation():
+def test_speculation_with_preemption_and_a_grammar(code_chats):
+    """A pool of 20 blocks of 32 tokens for answers that need 32 forces preemptions while
+    proposals are in flight; a request with a JSON schema in the same batch gets no
+    proposals and valid JSON. The greedy answers stay the same."""
+    chats, plain = code_chats
+    llm = LLM(**ENGINE, speculative_config=NGRAM, block_size=32, max_model_len=640,
+              kv_cache_memory_bytes=20 * 32 * 46080)  # (46,080 bytes of KV a token)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
+              "required": ["name"], "additionalProperties": False}
+    guided = SamplingParams(temperature=0.0, max_tokens=64,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    outputs = llm.chat([*chats, [{"role": "user", "content": "Name a fruit, as JSON."}]],
+                       [GREEDY] * len(chats) + [guided], use_tqdm=False)
+    _assert_same_answers(plain, outputs[:-1])
+    assert "name" in json.loads(outputs[-1].outputs[0].text)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
+    assert_pool_free(llm)
+
+
+@pytest.mark.slow
+def test_server_with_ngram_speculation(tmp_path):
     """Through the server, streamed and not: the greedy text of the offline engine without
-    speculation; the spec-decode counters move."""
+    speculation; the spec-decode counters move, and `cpullm bench serve` reports them."""
     prompt = _code_prompts()[0]
-    greedy = SamplingParams(temperature=0.0, max_tokens=40)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
     expected = LLM(dtype="float32").generate([prompt], greedy, use_tqdm=False)[0]
     server = RemoteServer(["--dtype", "float32", "--speculative-config",
-                           '{"method": "ngram", "num_speculative_tokens": 3}'])
+                           '{"method": "ngram", "num_speculative_tokens": 3, '
+                           '"adaptive": false}'])
     try:
         assert "Speculative decoding: ngram, up to 3 tokens a step" in server.log()
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
-        whole = client.completions.create(model=model, prompt=prompt, max_tokens=40,
+        whole = client.completions.create(model=model, prompt=prompt, max_tokens=24,
                                           temperature=0.0)
         assert whole.choices[0].text == expected.outputs[0].text
-        stream = client.completions.create(model=model, prompt=prompt, max_tokens=40,
+        stream = client.completions.create(model=model, prompt=prompt, max_tokens=24,
                                            temperature=0.0, stream=True)
         assert "".join(chunk.choices[0].text for chunk in stream) == expected.outputs[0].text
         metrics = server.metrics()
@@ -208,5 +336,21 @@ def test_server_with_ngram_speculation():
             <= metrics["vllm:spec_decode_num_draft_tokens_total"]
         assert metrics["vllm:spec_decode_num_accepted_tokens_per_pos_total"] == \
             metrics["vllm:spec_decode_num_accepted_tokens_total"]
+
+        data = tmp_path / "edits.json"
+        data.write_text(json.dumps([{"conversations": [{"from": "human", "value": prompt},
+                                                       {"from": "gpt", "value": "x"}]}]))
+        bench = subprocess.run(
+            [sys.executable, "-m", "cpullm.entrypoints.cli", "bench", "serve", "--base-url",
+             server.url, "--dataset-name", "sharegpt", "--dataset-path", str(data),
+             "--num-prompts", "1", "--sharegpt-output-len", "24", "--save-result",
+             "--result-dir", str(tmp_path), "--result-filename", "serve.json"],
+            capture_output=True, text=True, timeout=300)
+        assert bench.returncode == 0, bench.stderr[-3000:]
+        assert "Speculative Decoding" in bench.stdout
+        result = json.loads((tmp_path / "serve.json").read_text())
+        assert result["spec_decode_num_drafts"] > 0  # (the counters of this run only)
+        assert 0 <= result["spec_decode_acceptance_rate"] <= 100
+        assert len(result["spec_decode_per_position_acceptance_rate"]) == 3
     finally:
         server.stop()

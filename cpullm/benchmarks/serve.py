@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -204,6 +205,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     embeddings = args.backend == "openai-embeddings"
     tokenizer = load_tokenizer(resolve_model(args.tokenizer, pooling=embeddings))
     requests = sample_requests(args, tokenizer)
+    spec_before = _spec_counters(args)
     results, duration = asyncio.run(_run(args, requests, model))
     ok = [r for r in results if r.success]
     if not ok:
@@ -240,7 +242,60 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         for stat in ("mean", "median", "p99"):
             print(f"{stat.capitalize() + ' ' + metric.upper() + ' (ms):':<45}"
                   f"{result[f'{stat}_{metric}_ms']:>15.2f}")
+    spec_after = _spec_counters(args)
+    if spec_before is not None and spec_after is not None:
+        result.update(_spec_result(spec_before, spec_after))
     _save(args, result)
+    return result
+
+
+_SPEC_PREFIX = "vllm:spec_decode_num_"
+
+
+def _spec_counters(args: argparse.Namespace) -> dict[str, float] | None:
+    """The server's speculative-decoding counters (summed over its engines; by position
+    for the accepted ones), or None where it exports none."""
+    try:
+        text = httpx.get(args.base_url.rstrip("/") + "/metrics", headers=_headers(args),
+                         timeout=10).text
+    except httpx.HTTPError:
+        return None
+    counters: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(_SPEC_PREFIX):
+            continue
+        name, _, value = line.rpartition(" ")
+        key = name.split("{")[0].removeprefix(_SPEC_PREFIX).removesuffix("_total")
+        position = re.search(r'position="(\d+)"', name)
+        if position:
+            key += position.group(1)
+        counters[key] = counters.get(key, 0.0) + float(value)
+    return counters or None
+
+
+def _spec_result(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """vLLM's speculative-decoding section: acceptance over the run, from the counters."""
+    delta = {key: after[key] - before.get(key, 0.0) for key in after}
+    drafts, proposed = delta.get("drafts", 0.0), delta.get("draft_tokens", 0.0)
+    accepted = delta.get("accepted_tokens", 0.0)
+    positions = sorted(int(k.removeprefix("accepted_tokens_per_pos"))
+                       for k in delta if k.startswith("accepted_tokens_per_pos"))
+    result = {"spec_decode_acceptance_rate": 100 * accepted / proposed if proposed else 0.0,
+              "spec_decode_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+              "spec_decode_num_drafts": int(drafts),
+              "spec_decode_draft_tokens": int(proposed),
+              "spec_decode_accepted_tokens": int(accepted),
+              "spec_decode_per_position_acceptance_rate": [
+                  100 * delta[f"accepted_tokens_per_pos{p}"] / drafts if drafts else 0.0
+                  for p in positions]}
+    print(f"{' Speculative Decoding ':-^60}")
+    print(f"{'Acceptance rate (%):':<45}{result['spec_decode_acceptance_rate']:>15.2f}")
+    print(f"{'Acceptance length:':<45}{result['spec_decode_acceptance_length']:>15.2f}")
+    print(f"{'Drafts:':<45}{int(drafts):>15}")
+    print(f"{'Draft tokens:':<45}{int(proposed):>15}")
+    print(f"{'Accepted tokens:':<45}{int(accepted):>15}")
+    print("Per-position acceptance (%): " + ", ".join(
+        f"{rate:.1f}" for rate in result["spec_decode_per_position_acceptance_rate"]))
     return result
 
 

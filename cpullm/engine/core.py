@@ -11,6 +11,7 @@ Plain values only, so that both travel between processes as they are.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -21,9 +22,18 @@ from cpullm.engine.request import Request, RequestStatus
 from cpullm.engine.sched_output import LogprobsLists, SchedulerOutput
 from cpullm.engine.scheduler import Scheduler
 from cpullm.executor import Executor, create_executor
+from cpullm.logger import init_logger
 from cpullm.pooling_params import PoolingParams
 from cpullm.sampling_params import SamplingParams
+from cpullm.spec_decode.draft import DraftProposer
+from cpullm.spec_decode.policy import probe_step
 from cpullm.utils import cdiv
+
+logger = init_logger(__name__)
+
+
+def _rows_ms(seconds: dict[int, float]) -> str:
+    return ", ".join(f"{rows} rows {t * 1e3:.1f} ms" for rows, t in seconds.items())
 
 
 @dataclass(slots=True)
@@ -85,6 +95,23 @@ class EngineCore:
         torch.manual_seed(config.model.seed)
         self.scheduler = Scheduler(config.scheduler, config.cache)
         self.executor: Executor = create_executor(config, eos_token_ids)
+        draft = None
+        if config.draft is not None:
+            draft = self.scheduler.proposer = DraftProposer(config.draft, eos_token_ids)
+        policy = self.scheduler.spec_policy
+        if policy is not None and policy.config.adaptive \
+                and config.parallel.pipeline_parallel_size == 1:
+            start = time.perf_counter()
+            policy.measure(self._time_decode_step, min(config.cache.block_size,
+                                                       config.scheduler.max_num_batched_tokens),
+                           draft.time_step if draft is not None else None)
+            self.executor.release_calling_thread()
+            if draft is not None:
+                draft.runner.release_calling_thread()
+            logger.info("Decode step times measured for speculation in %.1f s: %s%s",
+                        time.perf_counter() - start, _rows_ms(policy.step_seconds),
+                        f"; the draft's: {_rows_ms(policy.draft_seconds)}"
+                        if policy.draft_seconds else "")
         # steps submitted and not collected (pipeline stages, compute lanes), oldest first
         self._in_flight: deque[SchedulerOutput] = deque()
         self.last_step_num_tokens = 0  # prompt and output tokens computed by the last step
@@ -170,6 +197,16 @@ class EngineCore:
             output.first_token_time = request.first_token_time
             output.last_token_time = request.last_token_time
         return list(outputs.values())
+
+    def _time_decode_step(self, rows: int) -> float:
+        """Seconds of one decode step of ``rows`` requests (policy.probe_step)."""
+        groups = self.config.cache.groups
+        step, cleanup = probe_step(rows, len(groups.windows) if groups else 1)
+        start = time.perf_counter()
+        self.executor.execute_model(step)
+        elapsed = time.perf_counter() - start
+        self.executor.execute_model(cleanup)
+        return elapsed
 
     def check_health(self) -> None:
         """Raise if a rank of the executor is gone."""

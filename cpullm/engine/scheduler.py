@@ -17,10 +17,11 @@ that step returns, since the step still writes them.
 An encoder's inputs (``SchedulerConfig.whole_inputs``) are scheduled whole, as the token
 budget allows, with no KV blocks, and end in the step that computes them.
 
-With speculative decoding a decoding request also gets up to k proposed tokens, budgeted
-and given KV slots like a prompt chunk (only where blocks are free: a proposal never
-preempts anyone); the step verifies them, and the request keeps the accepted ones and the
-token after them. The rejected ones' KV slots are rewritten by the next step.
+With speculative decoding a decoding request also gets up to k proposed tokens (fewer, or
+none, where the policy finds they do not pay: spec_decode/policy.py), budgeted and given
+KV slots like a prompt chunk (only where blocks are free: a proposal never preempts
+anyone); the step verifies them, and the request keeps the accepted ones and the token
+after them. The rejected ones' KV slots are rewritten by the next step.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from cpullm.engine.request import Request, RequestStatus
 from cpullm.engine.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from cpullm.pooling_params import PoolingParams
 from cpullm.sampling_params import SamplingParams
-from cpullm.spec_decode.ngram import propose_ngram
+from cpullm.spec_decode.ngram import NgramProposer
+from cpullm.spec_decode.policy import Proposer, SpeculationPolicy
 
 
 class Scheduler:
@@ -53,6 +55,12 @@ class Scheduler:
         self._free_on_return: dict[str, Request] = {}  # ended while in flight (an abort)
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
+        speculative = scheduler_config.speculative
+        self.spec_policy = SpeculationPolicy(speculative) if speculative is not None else None
+        # what proposes tokens: n-gram lookup here; a draft model's proposer is set by the
+        # engine core, which runs it
+        self.proposer: Proposer | None = NgramProposer(speculative) \
+            if speculative is not None and speculative.method == "ngram" else None
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -68,10 +76,7 @@ class Scheduler:
         max_seqs = max_seqs or self.config.max_num_seqs
         scheduled: list[tuple[Request, int, list[int]]] = []
         preempted = False
-        speculative = self.config.speculative
-        if speculative is not None and speculative.disable_by_batch_size is not None \
-                and len(self.running) >= speculative.disable_by_batch_size:
-            speculative = None
+        proposals = self._proposals()  # request id -> tokens proposed after its next one
 
         # 1. Running requests, oldest first; preempt the newest when blocks run out.
         i = 0
@@ -84,7 +89,8 @@ class Scheduler:
                 self.kv_cache_manager.free(request)
                 request.num_computed_tokens = 0
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            proposed = self._propose(request, budget) if speculative and num_new == 1 else []
+            # (a proposal takes the budget's room only)
+            proposed = proposals.get(request.request_id, [])[:budget - 1] if num_new == 1 else []
             if proposed and self.kv_cache_manager.allocate_slots(request, 1 + len(proposed)):
                 scheduled.append((request, 1 + len(proposed), proposed))
                 budget -= 1 + len(proposed)
@@ -140,18 +146,26 @@ class Scheduler:
         self.in_flight.update(request.request_id for request, _, _ in scheduled)
         return output
 
-    def _propose(self, request: Request, budget: int) -> list[int]:
-        """Tokens to verify after a decoding request's next one: within the budget, the
-        request's max_tokens, and none for a request whose sampling follows a grammar."""
-        speculative = self.config.speculative
-        assert speculative is not None
-        params = request.sampling_params
-        if not isinstance(params, SamplingParams) or params.structured_outputs is not None:
-            return []
-        k = min(speculative.num_speculative_tokens, budget - 1,
-                request.max_tokens - request.num_output_tokens - 1)
-        return propose_ngram(request.all_token_ids, speculative.prompt_lookup_min,
-                             speculative.prompt_lookup_max, k)
+    def _proposals(self) -> dict[str, list[int]]:
+        """Tokens to verify after each decoding request's next one: as many as the policy
+        picks for this many decoding requests, within each request's max_tokens; none for
+        a request whose sampling follows a grammar."""
+        if self.proposer is None:
+            return {}
+        assert self.spec_policy is not None
+        decoding = [r for r in self.running if r.request_id not in self.in_flight
+                    and r.num_tokens - r.num_computed_tokens == 1]
+        k = self.spec_policy.num_proposals(len(decoding))
+        if not k:
+            return {}
+        wanted = []
+        for request in decoding:
+            params = request.sampling_params
+            most = min(k, request.max_tokens - request.num_output_tokens - 1)
+            if isinstance(params, SamplingParams) and params.structured_outputs is None \
+                    and most > 0:
+                wanted.append((request, most))
+        return self.proposer.propose(wanted) if wanted else {}
 
     def _outgrows_rope(self, request: Request) -> bool:
         """Whether the request has just grown past LongRoPE's pretraining length, where its
@@ -233,6 +247,8 @@ class Scheduler:
                 continue
             if item.spec_token_ids:
                 self.spec_stats.add(len(item.spec_token_ids), len(token_ids) - 1)
+                assert self.spec_policy is not None
+                self.spec_policy.record(len(item.spec_token_ids), len(token_ids) - 1)
             for n, token in enumerate(token_ids, start=1):
                 request.append_output_token(token)
                 if request.check_stop():
@@ -260,6 +276,8 @@ class Scheduler:
 
     def _finish(self, request: Request) -> None:
         assert request.status.finished
+        if self.proposer is not None:
+            self.proposer.drop(request.request_id)
         if request in self.running:
             self.running.remove(request)
         if request.request_id in self.in_flight:  # (the runner drops it when that is back)

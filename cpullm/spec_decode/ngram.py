@@ -7,6 +7,9 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from cpullm.config import SpeculativeConfig
+from cpullm.engine.request import Request
+
 
 def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the last n tokens
@@ -30,3 +33,22 @@ def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[
         start = int(found[-1]) + 1
         return token_ids[start:start + k]
     return []
+
+
+class NgramProposer:
+    """Proposes by n-gram lookup in each request's own tokens (config.SpeculativeConfig's
+    prompt_lookup_min and prompt_lookup_max)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, requests: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        proposals = {}
+        for request, most in requests:
+            tokens = propose_ngram(request.all_token_ids, self.min_n, self.max_n, most)
+            if tokens:
+                proposals[request.request_id] = tokens
+        return proposals
+
+    def drop(self, request_id: str) -> None:
+        """(n-gram lookup keeps nothing per request)"""
