@@ -146,13 +146,19 @@ def _policy(seconds, k: int = 4, **spec) -> SpeculationPolicy:
 def test_policy_proposes_where_extra_rows_are_cheap():
     """Rows nearly free up to 8 (bound by reading the weights), then in proportion: one
     stream gets every proposal, two get fewer, and from 8 streams on none pay."""
-    policy = _policy(lambda rows: max(1.0, rows / 8))
+    policy = _policy(lambda rows: max(1.0, rows / 8) + (rows == 2))  # (2 rows: a slow run)
     assert sorted(policy.step_seconds) == [1, 2, 4, 8, 16, 32]
+    assert policy.step_seconds[2] == 1.0  # no slower than 4 rows
     assert policy.step_time(64) == pytest.approx(8.0)  # past the measured: linear
     assert policy.num_proposals(1) == 4
     assert 0 < policy.num_proposals(3) < 4
     assert policy.num_proposals(8) == 0 and policy.num_proposals(100) == 0
     assert policy.num_proposals(0) == 0
+    # each row also reads its request's KV: over 1,000 tokens of context at a millisecond a
+    # token, a row's reads take as long as the step itself, and one stream gets none
+    policy.kv_seconds_per_token = 1e-3
+    assert policy.num_proposals(1, context_tokens=10) == 4
+    assert policy.num_proposals(1, context_tokens=1000) == 0
     # unmeasured (a pipeline): every step, as vLLM; disable_by_batch_size still holds
     unmeasured = SpeculationPolicy(SpeculativeConfig.parse(
         {**NGRAM, "disable_by_batch_size": 4}))

@@ -14,6 +14,7 @@ from cpullm.benchmarks.datasets import add_dataset_args, sample_requests
 from cpullm.engine_args import OFFLINE_DEFAULTS, EngineArgs
 from cpullm.entrypoints.llm import LLM
 from cpullm.logger import logging_to_tqdm
+from cpullm.platform.memory import read_bandwidth
 from cpullm.sampling_params import SamplingParams
 
 
@@ -213,7 +214,7 @@ def _rooflines(llm: LLM, args: argparse.Namespace, prefill: float, decode: float
     kv = args.batch_size * context * llm.llm_engine.config.model.kv_bytes_per_token()
     step = weights + kv
     rate = step * decode / args.batch_size / 1e9  # decode / batch_size: steps a second
-    plain = _read_bandwidth(int(step))
+    plain = read_bandwidth(int(step)) / 1e9
     linear = sum(m.input_size * m.output_size for name, m in model.named_modules()
                  if isinstance(m, LinearBase) and not name.endswith("lm_head"))
     gflops = 2 * linear * prefill / 1e9
@@ -224,20 +225,6 @@ def _rooflines(llm: LLM, args: argparse.Namespace, prefill: float, decode: float
           "GFLOP a token; `cpullm bench gemm` measures the peak)")
     return {"decode_read_gb_per_second": rate, "plain_read_gb_per_second": plain,
             "prefill_linear_gflops": gflops}
-
-
-def _read_bandwidth(nbytes: int, reps: int = 5) -> float:
-    """GB/s of summing a buffer of ``nbytes`` on torch's threads, median of ``reps``: a
-    STREAM-like read of memory (the buffer is far larger than the caches)."""
-    import torch
-
-    buffer = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
-    times = []
-    for _ in range(reps + 1):
-        start = time.perf_counter()
-        buffer.sum()
-        times.append(time.perf_counter() - start)
-    return buffer.numel() * 4 / float(np.median(times[1:])) / 1e9
 
 
 def _phase_rates(outputs: list, input_len: int, output_len: int) -> tuple[float, float]:

@@ -23,6 +23,7 @@ from cpullm.engine.sched_output import LogprobsLists, SchedulerOutput
 from cpullm.engine.scheduler import Scheduler
 from cpullm.executor import Executor, create_executor
 from cpullm.logger import init_logger
+from cpullm.platform.memory import read_bandwidth
 from cpullm.pooling_params import PoolingParams
 from cpullm.sampling_params import SamplingParams
 from cpullm.spec_decode.draft import DraftProposer
@@ -30,6 +31,9 @@ from cpullm.spec_decode.policy import probe_step
 from cpullm.utils import cdiv
 
 logger = init_logger(__name__)
+
+# a buffer far larger than the caches, read to time the KV reads of speculation's rows
+_BANDWIDTH_PROBE_BYTES = 256 << 20
 
 
 def _rows_ms(seconds: dict[int, float]) -> str:
@@ -102,9 +106,12 @@ class EngineCore:
         if policy is not None and policy.config.adaptive \
                 and config.parallel.pipeline_parallel_size == 1:
             start = time.perf_counter()
+            self.executor.bind_threads()  # (the read below on the compute threads)
             policy.measure(self._time_decode_step, min(config.cache.block_size,
                                                        config.scheduler.max_num_batched_tokens),
-                           draft.time_step if draft is not None else None)
+                           draft.time_step if draft is not None else None,
+                           config.model.kv_bytes_per_token(config.parallel)
+                           / read_bandwidth(_BANDWIDTH_PROBE_BYTES))
             self.executor.release_calling_thread()
             if draft is not None:
                 draft.runner.release_calling_thread()

@@ -155,7 +155,8 @@ class Scheduler:
         assert self.spec_policy is not None
         decoding = [r for r in self.running if r.request_id not in self.in_flight
                     and r.num_tokens - r.num_computed_tokens == 1]
-        k = self.spec_policy.num_proposals(len(decoding))
+        k = self.spec_policy.num_proposals(len(decoding),
+                                           sum(r.num_tokens for r in decoding))
         if not k:
             return {}
         wanted = []

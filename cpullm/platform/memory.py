@@ -37,3 +37,20 @@ def tune_malloc() -> bool:
           and mallopt(_M_TOP_PAD, 64 << 20) == 1)
     logger.debug("glibc malloc tuned for reuse: %s", ok)
     return ok
+
+
+def read_bandwidth(nbytes: int, reps: int = 5) -> float:
+    """Bytes a second of summing a buffer of ``nbytes`` on torch's threads, median of
+    ``reps``: a STREAM-like read of memory (for a buffer far larger than the caches)."""
+    import statistics
+    import time
+
+    import torch
+
+    buffer = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+    times = []
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - start)
+    return buffer.numel() * 4 / statistics.median(times[1:])

@@ -11,9 +11,11 @@ request k' <= k that maximizes
     expected tokens per request a step / step time relative to no proposals
     = (1 + a + a^2 + ... + a^k') / (t(B (k' + 1)) / t(B))
 
-(a: the acceptance rate, each proposal kept only if the ones before it were), and proposes
-nothing where no k' beats 1. While it proposes nothing for want of acceptance, one step in
-``PROBE_EVERY`` proposes anyway, so that the rate follows the workload.
+(a: the acceptance rate, each proposal kept only if the ones before it were; a step's time
+also counts each row's read of its request's KV, from the KV bytes and a plain read's
+bandwidth, since the probes' contexts are short), and proposes nothing where no k' beats 1.
+While it proposes nothing for want of acceptance, one step in ``PROBE_EVERY`` proposes
+anyway, so that the rate follows the workload.
 """
 
 from __future__ import annotations
@@ -66,16 +68,21 @@ class SpeculationPolicy:
         self.config = config
         self.step_seconds: dict[int, float] = {}  # decode rows -> seconds a step (measured)
         self.draft_seconds: dict[int, float] = {}  # the same of the draft model's steps
+        # seconds to read one token's K and V of every layer (0: not measured)
+        self.kv_seconds_per_token = 0.0
         # accepted proposals and trials (each accepted one, and the first rejected one of a
         # request's step), decayed: their ratio estimates a, 0.5 before any is verified
         self._accepted, self._trials = 1.0, 2.0
         self._idle_steps = 0  # steps in a row that proposed nothing for want of acceptance
 
     def measure(self, time_step: Callable[[int], float], max_rows: int,
-                time_draft_step: Callable[[int], float] | None = None) -> None:
+                time_draft_step: Callable[[int], float] | None = None,
+                kv_seconds_per_token: float = 0.0) -> None:
         """Time decode steps of each of MEASURED_ROWS rows up to ``max_rows``:
-        ``time_step(rows)`` runs one and returns its seconds (the least of two runs after
-        a warm-up one is kept); ``time_draft_step`` the same of a draft model's."""
+        ``time_step(rows)`` runs one and returns its seconds (the least of three runs after
+        a warm-up one is kept); ``time_draft_step`` the same of a draft model's. A step of
+        fewer rows is taken to be no slower than one of more (a slow run is noise)."""
+        self.kv_seconds_per_token = kv_seconds_per_token
         for times, run in ((self.step_seconds, time_step), (self.draft_seconds,
                                                              time_draft_step)):
             if run is None:
@@ -84,15 +91,18 @@ class SpeculationPolicy:
                 if rows > max_rows:
                     break
                 run(rows)
-                times[rows] = min(run(rows), run(rows))
+                times[rows] = min(run(rows) for _ in range(3))
+            fastest = float("inf")
+            for rows in sorted(times, reverse=True):
+                fastest = times[rows] = min(times[rows], fastest)
 
     def step_time(self, rows: int) -> float:
         """Seconds of a decode step of ``rows`` rows, from the measured ones."""
         return _interpolate(self.step_seconds, rows)
 
-    def num_proposals(self, num_decoding: int) -> int:
+    def num_proposals(self, num_decoding: int, context_tokens: int = 0) -> int:
         """How many tokens to propose per request in a step of ``num_decoding`` decoding
-        requests (0: none)."""
+        requests whose contexts hold ``context_tokens`` tokens in all (0: none)."""
         config = self.config
         if num_decoding == 0 or (config.disable_by_batch_size is not None
                                  and num_decoding >= config.disable_by_batch_size):
@@ -100,20 +110,18 @@ class SpeculationPolicy:
         k = config.num_speculative_tokens
         if len(self.step_seconds) < 2:  # not measured: always, as vLLM
             return k
-        base = self.step_time(num_decoding)
+        base = self._cost(num_decoding, context_tokens, 0)
         best, best_gain = 0, 1.0
         expected, term = 1.0, 1.0
         for proposals in range(1, k + 1):
             term *= self.acceptance
             expected += term
-            cost = self.step_time(num_decoding * (proposals + 1))
-            if self.draft_seconds:  # and the draft's steps that proposed them
-                cost += proposals * _interpolate(self.draft_seconds, num_decoding)
-            gain = expected * base / cost
+            gain = expected * base / self._cost(num_decoding, context_tokens, proposals)
             if gain > best_gain:
                 best, best_gain = proposals, gain
-        if best == 0 and self._pays_at(num_decoding, rate=1.0):
-            # only for want of acceptance: now and then propose anyway, to measure it
+        if best == 0 and k + 1 > self._cost(num_decoding, context_tokens, k) / base:
+            # (it would pay were every proposal accepted) only for want of acceptance:
+            # now and then propose anyway, to measure it
             self._idle_steps += 1
             if self._idle_steps % PROBE_EVERY == 0:
                 return k
@@ -121,13 +129,15 @@ class SpeculationPolicy:
             self._idle_steps = 0
         return best
 
-    def _pays_at(self, num_decoding: int, rate: float) -> bool:
-        k = self.config.num_speculative_tokens
-        expected = sum(rate ** i for i in range(k + 1))
-        cost = self.step_time(num_decoding * (k + 1))
-        if self.draft_seconds:
-            cost += k * _interpolate(self.draft_seconds, num_decoding)
-        return expected * self.step_time(num_decoding) > cost
+    def _cost(self, num_decoding: int, context_tokens: int, proposals: int) -> float:
+        """Seconds of a step with ``proposals`` tokens per decoding request: its rows, each
+        row's read of its request's KV, and the draft's steps that proposed them."""
+        rows = proposals + 1
+        cost = self.step_time(num_decoding * rows) \
+            + rows * context_tokens * self.kv_seconds_per_token
+        if proposals and self.draft_seconds:
+            cost += proposals * _interpolate(self.draft_seconds, num_decoding)
+        return cost
 
     @property
     def acceptance(self) -> float:
