@@ -9,7 +9,6 @@ the model class, the kernels or the checkpoint's files is resolved once into fie
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +20,7 @@ from cpullm.platform.binding import BindingPlan
 from cpullm.platform.topology import CpuTopology
 from cpullm.sampling_params import DEFAULT_MAX_LOGPROBS
 from cpullm.transformers_utils import ModelSource
-from cpullm.utils import cdiv
+from cpullm.utils import cdiv, json_object
 
 
 @dataclass(frozen=True)
@@ -275,13 +274,7 @@ class SpeculativeConfig:
         missing n-gram bound takes the other's value, and both missing are 5."""
         if value is None:
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative config: not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("speculative config: expected a JSON object")
+        value = json_object(value, "speculative config")
         method = value.get("method") or ("draft_model" if value.get("model") else None)
         if method in _SPECULATIVE_LATER:
             raise ValueError(f"speculative config: method {method!r} is not supported yet; "

@@ -3,8 +3,22 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import signal
 import sys
+from typing import Any
+
+
+def json_object(value: str | dict[str, Any], what: str) -> dict[str, Any]:
+    """A user's JSON object, given as text or as a dict; ValueError naming ``what``."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what}: not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what}: expected a JSON object")
+    return value
 
 
 def cdiv(a: int, b: int) -> int:

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cpullm.utils import json_object
+
 POOLING_TYPES = ("MEAN", "CLS", "LAST")
 
 
@@ -35,13 +37,7 @@ class PoolerConfig:
         """This config with a user's overrides (JSON text or a dict, vLLM's field names)."""
         if value is None:
             return self
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"pooler config: not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("pooler config: expected a JSON object")
+        value = json_object(value, "pooler config")
         unknown = sorted(set(value) - {"pooling_type", "normalize"})
         if unknown:
             raise ValueError(f"pooler config: unknown fields {unknown} (pooling_type, "
