@@ -22,8 +22,8 @@ from cpullm.engine.scheduler import Scheduler
 from cpullm.spec_decode.ngram import propose_ngram
 from cpullm.spec_decode.policy import SpeculationPolicy
 from cpullm.structured_output import StructuredOutputsParams
-from cpullm.worker.model_runner import _accepted
 from cpullm.worker.sampler import Sampler, SamplingBatch
+from cpullm.worker.step_sampler import accepted
 
 # (adaptive off: every step proposes, whatever the machine's step times)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
@@ -196,7 +196,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
                           output_token_ids=[[]] * (2 * trials),
                           generators=[None] * (2 * trials))
     tokens, _ = Sampler(vocab, {vocab + 1})(logits, batch)
-    news = [_accepted(proposed, tokens[2 * t:2 * t + 2]) for t in range(trials)]
+    news = [accepted(proposed, tokens[2 * t:2 * t + 2]) for t in range(trials)]
     first = torch.bincount(torch.tensor([n[0] for n in news]), minlength=vocab) / trials
     assert (first - target[0]).abs().sum() / 2 < 0.02
     seconds = torch.tensor([n[1] for n in news if len(n) > 1])
@@ -241,6 +241,33 @@ def test_draft_model_greedy_identity(tiny_model, tmp_path_factory, tokenizer_dir
         assert drafter.kv_cache_manager.num_free_blocks == drafter.config.cache.num_blocks
 
 
+def test_stop_strings_n_and_prefix_hits_with_a_draft(tiny_model):
+    """With the target as its own draft (four tokens a step): a stop string inside a step's
+    tokens cuts the text where it does without speculation; n = 2 greedy samples are
+    both the answer; a second run of the prompt, from the prefix cache, is too."""
+    target = str(tiny_model("llama"))
+    engine = dict(dtype="float32", block_size=32, max_model_len=256)
+    prompt = {"prompt_token_ids": list(range(200, 270))}
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = LLM(target, **engine)
+    text = plain.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stopping = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
+    expected = plain.generate([prompt], stopping, use_tqdm=False)[0].outputs[0]
+    assert expected.finish_reason == "stop" and len(expected.text) < len(text)
+
+    llm = LLM(target, **engine, speculative_config=_draft(target, 4))
+    got = llm.generate([prompt], stopping, use_tqdm=False)[0].outputs[0]
+    assert (got.text, got.finish_reason) == (expected.text, "stop")
+    two = SamplingParams(n=2, temperature=0.0, max_tokens=40, ignore_eos=True)
+    for _ in range(2):  # the second time from the prefix cache
+        outputs = llm.generate([prompt], two, use_tqdm=False)[0].outputs
+        assert [o.text for o in outputs] == [text, text]
+    assert llm.llm_engine.scheduler.kv_cache_manager.num_hits > 0
+    assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
+    assert_pool_free(llm)
+
+
 def test_draft_model_of_another_vocabulary_is_refused(tiny_model, tmp_path):
     draft = tmp_path / "draft"
     shutil.copytree(tiny_model("llama"), draft)
@@ -261,10 +288,11 @@ def _code_prompts() -> list[str]:
             for function in (textwrap.dedent, textwrap.indent, textwrap.shorten)]
 
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=48, logprobs=2)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, logprobs=2)
 # the default model in float32, and a budget of 64 tokens a step, so that proposals share
 # steps with prompt chunks
-ENGINE = dict(dtype="float32", max_num_batched_tokens=64, max_num_seqs=4)
+ENGINE = dict(dtype="float32", max_num_batched_tokens=64, max_num_seqs=4,
+              kv_cache_memory_bytes=256 << 20, max_model_len=2048)
 
 
 @pytest.fixture(scope="module")
@@ -301,8 +329,9 @@ def test_speculation_with_preemption_and_a_grammar(code_chats):
     proposals are in flight; a request with a JSON schema in the same batch gets no
     proposals and valid JSON. The greedy answers stay the same."""
     chats, plain = code_chats
-    llm = LLM(**ENGINE, speculative_config=NGRAM, block_size=32, max_model_len=640,
-              kv_cache_memory_bytes=20 * 32 * 46080)  # (46,080 bytes of KV a token)
+    llm = LLM(**{**ENGINE, "block_size": 32, "max_model_len": 640,
+                 "kv_cache_memory_bytes": 20 * 32 * 46080},  # (46,080 bytes of KV a token)
+              speculative_config=NGRAM)
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
               "required": ["name"], "additionalProperties": False}
     guided = SamplingParams(temperature=0.0, max_tokens=64,
@@ -317,25 +346,25 @@ def test_speculation_with_preemption_and_a_grammar(code_chats):
 
 
 @pytest.mark.slow
-def test_server_with_ngram_speculation(tmp_path):
-    """Through the server, streamed and not: the greedy text of the offline engine without
+def test_server_with_ngram_speculation(code_chats, tmp_path):
+    """Through the server, streamed and not: the greedy answer of the offline engine without
     speculation; the spec-decode counters move, and `cpullm bench serve` reports them."""
-    prompt = _code_prompts()[0]
-    greedy = SamplingParams(temperature=0.0, max_tokens=24)
-    expected = LLM(dtype="float32").generate([prompt], greedy, use_tqdm=False)[0]
-    server = RemoteServer(["--dtype", "float32", "--speculative-config",
+    chats, plain = code_chats
+    expected = plain[0].outputs[0].text
+    server = RemoteServer(["--dtype", "float32", "--kv-cache-memory-bytes", str(256 << 20),
+                           "--max-model-len", "2048", "--speculative-config",
                            '{"method": "ngram", "num_speculative_tokens": 3, '
                            '"adaptive": false}'])
     try:
         assert "Speculative decoding: ngram, up to 3 tokens a step" in server.log()
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
-        whole = client.completions.create(model=model, prompt=prompt, max_tokens=24,
-                                          temperature=0.0)
-        assert whole.choices[0].text == expected.outputs[0].text
-        stream = client.completions.create(model=model, prompt=prompt, max_tokens=24,
-                                           temperature=0.0, stream=True)
-        assert "".join(chunk.choices[0].text for chunk in stream) == expected.outputs[0].text
+        asked = dict(model=model, messages=chats[0], max_tokens=GREEDY.max_tokens,
+                     temperature=0.0)
+        whole = client.chat.completions.create(**asked)
+        assert whole.choices[0].message.content == expected
+        stream = client.chat.completions.create(**asked, stream=True)
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream) == expected
         metrics = server.metrics()
         assert metrics["vllm:spec_decode_num_drafts_total"] > 0
         assert 0 < metrics["vllm:spec_decode_num_accepted_tokens_total"] \
@@ -344,7 +373,8 @@ def test_server_with_ngram_speculation(tmp_path):
             metrics["vllm:spec_decode_num_accepted_tokens_total"]
 
         data = tmp_path / "edits.json"
-        data.write_text(json.dumps([{"conversations": [{"from": "human", "value": prompt},
+        data.write_text(json.dumps([{"conversations": [{"from": "human",
+                                                        "value": _code_prompts()[0]},
                                                        {"from": "gpt", "value": "x"}]}]))
         bench = subprocess.run(
             [sys.executable, "-m", "cpullm.entrypoints.cli", "bench", "serve", "--base-url",

@@ -19,7 +19,7 @@ import torch
 
 from cpullm import distributed
 from cpullm.config import EngineConfig, KVCacheGroups
-from cpullm.engine.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from cpullm.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from cpullm.logger import init_logger
 from cpullm.model_executor.layers.attention import AttentionMetadata, PagedAttention
 from cpullm.model_executor.layers.ops import load_ops
@@ -34,7 +34,8 @@ from cpullm.structured_output import GuidedDecoding
 from cpullm.transformers_utils import load_tokenizer
 from cpullm.utils import cdiv
 from cpullm.worker.request_state import RequestState, RequestStates
-from cpullm.worker.sampler import Sampler, SamplingBatch, compute_logprobs
+from cpullm.worker.sampler import Sampler, compute_logprobs
+from cpullm.worker.step_sampler import StepSampler
 
 logger = init_logger(__name__)
 
@@ -173,13 +174,13 @@ class ModelRunner(RunnerBase):
         reserving.join()
         logger.info("KV cache of %.2f GiB reserved (%.1f s with the model loading)",
                     sum(c.nbytes for c in slots.values()) / (1 << 30), time.perf_counter() - start)
-        self.sampler = Sampler(model_config.vocab_size, eos_token_ids, ops)
-        self.generators: dict[str, torch.Generator] = {}
-        self.guided = GuidedDecoding(lambda: load_tokenizer(
-            model_config.source, model_config.tokenizer, model_config.hf_config),
-            model_config.vocab_size)
+        self.sampler = StepSampler(
+            Sampler(model_config.vocab_size, eos_token_ids, ops),
+            GuidedDecoding(lambda: load_tokenizer(model_config.source, model_config.tokenizer,
+                                                  model_config.hf_config),
+                           model_config.vocab_size))
         if self.layout.rank == self.layout.output_rank and not model_config.is_pooling:
-            self.guided.warm()  # (on the rank that samples)
+            self.sampler.guided.warm()  # (on the rank that samples)
         # a decoder's embedding requests: id -> (sum, count, first) of their hidden states
         self._pooling: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
@@ -203,8 +204,7 @@ class ModelRunner(RunnerBase):
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.bind_threads()
         for request_id in scheduler_output.finished_request_ids:
-            self.generators.pop(request_id, None)
-            self.guided.drop(request_id)
+            self.sampler.drop(request_id)
             self._pooling.pop(request_id, None)
         items = self.requests.update(scheduler_output)
         if not items:
@@ -250,7 +250,8 @@ class ModelRunner(RunnerBase):
         # float32 (an argmax or the fused draw widens bfloat16 as it reads it)
 
         if rows:
-            self._sample([items[i] for i in rows], logits[:num_rows], output)
+            self.sampler.sample([items[i] for i in rows], logits[:num_rows], output,
+                                getattr(self._bound, "generator", None))
         offset = num_rows
         for item, flat_index, targets in prompt_rows:
             chunk = logits[offset:offset + len(flat_index)]
@@ -280,62 +281,6 @@ class ModelRunner(RunnerBase):
             output.pooled[item.request_id] = finish_embeddings(
                 vector[None], [pooler.normalize if params.normalize is None
                                else params.normalize], [params.dimensions])[0]
-
-    def _sample(self, sampled: list[RequestState], logits: torch.Tensor,
-                output: ModelRunnerOutput) -> None:
-        """The new tokens (and logprobs) of every sampling request, in one batch of rows
-        (``RequestState.num_rows`` each); if the batch raises, each request alone, so that
-        one whose sampling raises fails by itself (``output.failed``) and the others get
-        their tokens. A request with proposed tokens keeps those its samples confirm
-        (``_accepted``)."""
-        guided_rows, allowed, failed = self.guided.masks(
-            [r.request_id for r in sampled], [r.sampling_params for r in sampled],
-            [r.output_token_ids for r in sampled])
-        output.failed.update(failed)
-        # the grammar's tokens by request (a guided request is never given proposals)
-        masks = {sampled[row].request_id: allowed[n] for n, row in enumerate(guided_rows)}
-        if failed:  # those rows are not sampled
-            ends = np.cumsum([r.num_rows for r in sampled])
-            index = [row for r, end in zip(sampled, ends, strict=True)
-                     if r.request_id not in failed for row in range(end - r.num_rows, end)]
-            sampled = [r for r in sampled if r.request_id not in failed]
-            logits = logits[index]
-            if not sampled:
-                return
-        try:
-            results = [(sampled, self.sampler(logits, self._sampling_batch(sampled, masks)))]
-        except Exception:  # noqa: BLE001 - found out request by request below
-            logger.exception("Sampling a batch of %d failed; sampling each request alone",
-                             len(sampled))
-            results = []
-            start = 0
-            for item in sampled:
-                rows = logits[start:start + item.num_rows]
-                start += item.num_rows
-                try:
-                    result = self.sampler(rows, self._sampling_batch([item], masks))
-                except Exception as e:  # noqa: BLE001 - this request fails, the rest go on
-                    output.failed[item.request_id] = f"sampling failed: {type(e).__name__}: {e}"
-                    continue
-                results.append(([item], result))
-        for items, (tokens, logprobs) in results:
-            row = 0
-            for item in items:
-                new = _accepted(item.spec_token_ids, tokens[row:row + item.num_rows])
-                if item.sampling_params.structured_outputs is not None:
-                    error = self.guided.advance(item.request_id, new[0])
-                    if error is not None:
-                        output.failed[item.request_id] = error
-                        row += item.num_rows
-                        continue
-                output.sampled_token_ids[item.request_id] = new
-                if logprobs is not None and item.sampling_params.logprobs is not None:
-                    k = item.sampling_params.logprobs + 1
-                    kept = slice(row, row + len(new))
-                    output.logprobs[item.request_id] = LogprobsLists(
-                        [ids[:k] for ids in logprobs.token_ids[kept]],
-                        [lps[:k] for lps in logprobs.logprobs[kept]], logprobs.ranks[kept])
-                row += item.num_rows
 
     def _prepare_inputs(self, items: list[RequestState]
                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
@@ -419,45 +364,3 @@ class ModelRunner(RunnerBase):
             rows.append((item, list(range(flat_start, flat_start + last - first)),
                          item.prompt_token_ids[first + 1:last + 1]))
         return rows
-
-    def _sampling_batch(self, items: list[RequestState],
-                        masks: dict[str, torch.Tensor]) -> SamplingBatch:
-        """The sampler's view of the items' rows: a request's row j follows its outputs and
-        its first j proposed tokens; ``masks``: the guided requests' allowed tokens."""
-        params: list[SamplingParams] = []
-        prompts: list[list[int]] = []
-        outputs: list[list[int]] = []
-        generators: list[torch.Generator | None] = []
-        guided_rows: list[int] = []
-        for item in items:
-            seed = item.sampling_params.seed
-            if seed is not None and item.request_id not in self.generators:
-                self.generators[item.request_id] = torch.Generator().manual_seed(seed)
-            if item.request_id in masks:
-                guided_rows.append(len(params))
-            for j in range(item.num_rows):
-                params.append(item.sampling_params)  # type: ignore[arg-type]
-                prompts.append(item.prompt_token_ids)
-                outputs.append(item.output_token_ids + item.spec_token_ids[:j] if j
-                               else item.output_token_ids)
-                generators.append(self.generators.get(item.request_id))
-        allowed = torch.stack([masks[r.request_id] for r in items if r.request_id in masks]) \
-            if guided_rows else None
-        return SamplingBatch(params=params, prompt_token_ids=prompts, output_token_ids=outputs,
-                             generators=generators,
-                             generator=getattr(self._bound, "generator", None),
-                             guided_rows=guided_rows, allowed=allowed)
-
-
-def _accepted(proposed: list[int], sampled: list[int]) -> list[int]:
-    """The new tokens of a request whose rows sampled ``sampled`` after each of its
-    ``proposed`` tokens' predecessors: the proposals up to the first one its row did not
-    sample, then that row's token (all match: the last row's, one past the proposals).
-    Rejection sampling for a proposal of one token per place: a row samples the proposed
-    token with exactly the probability the target gives it, and when it samples another,
-    that one is distributed as the target's residual, so the output keeps the target's
-    distribution."""
-    n = 0
-    while n < len(proposed) and sampled[n] == proposed[n]:
-        n += 1
-    return sampled[:n + 1]
