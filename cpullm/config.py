@@ -227,8 +227,9 @@ class CacheConfig:
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 # vLLM's other methods, refused by name until they are built
 _SPECULATIVE_LATER = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix")
-_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min",
-                     "prompt_lookup_max", "disable_by_batch_size", "model", "adaptive")
+_SPECULATIVE_INT_KEYS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                         "disable_by_batch_size")
+_SPECULATIVE_KEYS = ("method", *_SPECULATIVE_INT_KEYS, "model", "adaptive")
 
 
 @dataclass(frozen=True)
@@ -288,7 +289,7 @@ class SpeculativeConfig:
             raise ValueError("speculative config: model must be a path")
         if not isinstance(fields.get("adaptive", True), bool):
             raise ValueError("speculative config: adaptive must be true or false")
-        for key in _SPECULATIVE_KEYS[1:-2]:
+        for key in _SPECULATIVE_INT_KEYS:
             if fields.get(key) is not None and (not isinstance(fields[key], int)
                                                 or isinstance(fields[key], bool)):
                 raise ValueError(f"speculative config: {key} must be an integer")

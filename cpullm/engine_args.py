@@ -245,15 +245,19 @@ class EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
                       if hasattr(args, f.name)})
 
-    def create_engine_config(self) -> EngineConfig:
-        topology = CpuTopology.detect()
-        topology.info.check_supported()
-        logger.info("CPU: %s (%s), %d sockets, %d cores, %d logical CPUs, %d NUMA nodes; "
-                    "this process may use CPUs %s", topology.info.model_name,
-                    topology.info.vendor, topology.num_sockets, topology.num_physical_cores,
-                    len(topology.cpus), len(topology.nodes),
-                    format_cpu_list(sorted(topology.allowed)))
-        logger.info("ISA features: %s", ", ".join(topology.info.features) or "none of note")
+    def create_engine_config(self, topology: CpuTopology | None = None) -> EngineConfig:
+        """``topology``: the CPUs as an engine already found them (a draft model's engine
+        shares its target's), else detected and logged now."""
+        if topology is None:
+            topology = CpuTopology.detect()
+            topology.info.check_supported()
+            logger.info("CPU: %s (%s), %d sockets, %d cores, %d logical CPUs, %d NUMA nodes; "
+                        "this process may use CPUs %s", topology.info.model_name,
+                        topology.info.vendor, topology.num_sockets,
+                        topology.num_physical_cores, len(topology.cpus), len(topology.nodes),
+                        format_cpu_list(sorted(topology.allowed)))
+            logger.info("ISA features: %s",
+                        ", ".join(topology.info.features) or "none of note")
         source = resolve_model(self.model, self.load_format, pooling=self._asks_pooling())
         hf_config = load_hf_config(source)
         model_dtype = getattr(hf_config, "dtype", None)
@@ -379,7 +383,7 @@ class EngineArgs:
             kv_cache_memory_bytes=tokens * target.model.kv_bytes_per_token(),
             max_num_seqs=target.scheduler.max_num_seqs,
             max_num_batched_tokens=target.scheduler.max_num_batched_tokens)
-        draft = args.create_engine_config()
+        draft = args.create_engine_config(target.parallel.topology)
         if draft.model.vocab_size != target.model.vocab_size:
             raise ValueError(f"speculative config: the draft model's vocabulary "
                              f"({draft.model.vocab_size} tokens) is not the target's "

@@ -10,7 +10,7 @@ import sys
 import pytest
 from server_utils import RemoteServer
 
-CLIENTS, SECONDS, WARMUP = 64, 60, 20
+CLIENTS, SECONDS, WARMUP = 64, 40, 15
 
 
 @pytest.mark.slow

@@ -41,7 +41,8 @@ class RequestState:
         """The tokens the step computes."""
         prompt, start, end = self.prompt_token_ids, self.num_computed_tokens, \
             self.num_computed_tokens + self.num_tokens - len(self.spec_token_ids)
-        return self._known_tokens(prompt, start, end) + self.spec_token_ids
+        known = self._known_tokens(prompt, start, end)
+        return known + self.spec_token_ids if self.spec_token_ids else known
 
     def _known_tokens(self, prompt: list[int], start: int, end: int) -> list[int]:
         if end <= len(prompt):
