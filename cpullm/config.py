@@ -22,6 +22,12 @@ from cpullm.sampling_params import DEFAULT_MAX_LOGPROBS
 from cpullm.transformers_utils import ModelSource
 from cpullm.utils import cdiv, json_object
 
+# --kv-cache-dtype: vLLM's names (fp8 is fp8_e4m3) and int8 (llama.cpp's q8_0 rows)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+_KV_QUANTIZED = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                 "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
+KV_INT8_SCALE_BYTES = 2  # an int8 row's float16 scale (one per token and KV head)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -55,6 +61,12 @@ class ModelConfig:
     # whether quantized weights stay quantized (the quantized kernels run, bfloat16 compute)
     keeps_quantized: bool = False
     weight_bytes: int = 0  # memory the weights take once loaded
+    # how the KV cache stores keys and values: "auto" (the compute dtype), or a quantized
+    # format of KV_CACHE_DTYPES (EngineArgs checks the name; "fp8" arrives as "fp8_e4m3")
+    kv_cache_dtype: str = "auto"
+    # fp8: each layer's K and V scales from its first prompt's keys and values (vLLM's
+    # --calculate-kv-scales), else 1.0
+    calculate_kv_scales: bool = False
 
     @property
     def is_pooling(self) -> bool:
@@ -128,18 +140,35 @@ class ModelConfig:
             raise ValueError(f"pipeline_parallel_size={pp}: the model has only "
                              f"{self.num_layers} layers")
 
+    @property
+    def kv_storage_dtype(self) -> torch.dtype:
+        """The element type of the KV cache tensors."""
+        return _KV_QUANTIZED.get(self.kv_cache_dtype, self.dtype)
+
+    @property
+    def kv_cache_quantized(self) -> bool:
+        return self.kv_cache_dtype in _KV_QUANTIZED
+
+    @property
+    def kv_cache_dtype_name(self) -> str:
+        """What the cache holds, by name: the compute dtype's or the quantized format's."""
+        return self.kv_cache_dtype if self.kv_cache_quantized else \
+            str(self.dtype).removeprefix("torch.")
+
     def kv_bytes_per_token(self, parallel: ParallelConfig | None = None,
                            layers: int | None = None) -> int:
         """K and V of one token over all layers (or ``layers`` of them), in bytes; given
         ``parallel``, on the rank that holds the most (the stage with the most layers)."""
-        element = torch.tensor([], dtype=self.dtype).element_size()
+        element = torch.tensor([], dtype=self.kv_storage_dtype).element_size()
+        row = self.head_dim * element + (KV_INT8_SCALE_BYTES if self.kv_cache_dtype == "int8"
+                                         else 0)
         heads = self.num_kv_heads
         if layers is None:
             layers = self.num_layers if parallel is None else \
                 -(-self.num_layers // parallel.pipeline_parallel_size)
         if parallel is not None:
             heads = self.kv_heads_per_rank(parallel.tensor_parallel_size)
-        return 2 * layers * heads * self.head_dim * element
+        return 2 * layers * heads * row
 
 
 @dataclass(frozen=True)

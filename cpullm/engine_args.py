@@ -12,6 +12,7 @@ import torch
 
 from cpullm import envs
 from cpullm.config import (
+    KV_CACHE_DTYPES,
     CacheConfig,
     EngineConfig,
     KVCacheGroups,
@@ -70,6 +71,8 @@ class EngineArgs:
     max_model_len: int | None = None
     block_size: int = 128
     kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
     disable_hybrid_kv_cache_manager: bool = False
@@ -130,6 +133,15 @@ class EngineArgs:
                             help="KV cache size in bytes; wins over VLLM_CPU_KVCACHE_SPACE "
                             "(GiB); with neither, see the KV cache rule in "
                             "docs/configuration.md")
+        parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                            help="how the KV cache stores keys and values: auto (the compute "
+                            "dtype), fp8 (= fp8_e4m3) or fp8_e5m2 (one byte, a scale per "
+                            "layer), int8 (one byte, a scale per token and KV head): about "
+                            "twice the tokens of bfloat16 in the same memory")
+        parser.add_argument("--calculate-kv-scales", action="store_true",
+                            default=d.calculate_kv_scales,
+                            help="fp8 KV cache: each layer's K and V scales from its first "
+                            "prompt (else 1.0)")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                             default=d.enable_prefix_caching,
                             help="reuse the KV cache of shared prompt prefixes")
@@ -308,7 +320,9 @@ class EngineArgs:
                 DEFAULT_MODEL_NAME if task == "generate" else DEFAULT_EMBEDDING_MODEL_NAME),
             enforce_eager=self.enforce_eager, quantization=quantization, task=task,
             pooler_config=pooler_config, lm_head_quantization=self.lm_head_quantization,
-            max_logprobs=self.max_logprobs)
+            max_logprobs=self.max_logprobs,
+            kv_cache_dtype=self._kv_cache_dtype(dtype, encoder),
+            calculate_kv_scales=self.calculate_kv_scales)
         model_config = resolve_model_config(model_config)
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs: must be -1 (the whole vocabulary) or at least 0, "
@@ -392,6 +406,31 @@ class EngineArgs:
         logger.info("Draft model KV cache: %d blocks of %d tokens, %.2f GiB", cache.num_blocks,
                     cache.block_size, tokens * draft.model.kv_bytes_per_token() / (1 << 30))
         return dataclasses.replace(draft, cache=cache, parallel=target.parallel)
+
+    def _kv_cache_dtype(self, dtype: torch.dtype, encoder: bool) -> str:
+        """--kv-cache-dtype checked against the compute dtype: "auto" or a quantized
+        format's name."""
+        name = self.kv_cache_dtype
+        if name not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: {name!r} is not supported; supported: "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
+        if name == "bfloat16":
+            if dtype != torch.bfloat16:
+                raise ValueError("kv_cache_dtype: bfloat16 needs bfloat16 compute (--dtype "
+                                 f"bfloat16), not {str(dtype).removeprefix('torch.')}")
+            name = "auto"
+        name = "fp8_e4m3" if name == "fp8" else name
+        if name != "auto" and encoder:
+            raise ValueError(f"kv_cache_dtype: {name}: an encoder keeps no KV cache")
+        if self.calculate_kv_scales and not name.startswith("fp8"):
+            raise ValueError("--calculate-kv-scales is for an fp8 KV cache (--kv-cache-dtype "
+                             "fp8, fp8_e4m3 or fp8_e5m2)")
+        if name != "auto":
+            logger.info("KV cache dtype: %s (%s)", name,
+                        "a float16 scale per token and KV head" if name == "int8" else
+                        "K and V scales per layer"
+                        + (", from the first prompt" if self.calculate_kv_scales else ", 1.0"))
+        return name
 
     def _asks_pooling(self) -> bool:
         return self.task in ("embed", "embedding", "classify", "score") or \

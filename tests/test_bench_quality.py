@@ -127,6 +127,19 @@ def test_bfloat16_is_measured_against_float32_by_default(models):
     assert figures["top1_agreement"] > 0.9
 
 
+def test_a_quantized_kv_cache_is_measured_against_the_bfloat16_cache(models):
+    """--reference bfloat16 runs the same flags in bfloat16 with the KV cache unquantized:
+    an int8 cache read in one-token steps strays a little from it, never by nothing."""
+    a, _, text = models
+    figures = quality([str(a), "--dtype", "bfloat16", "--kv-cache-dtype", "int8",
+                       "--reference", "bfloat16", "--max-num-batched-tokens", "1", "--text",
+                       str(text), "--windows", "2", "--window-len", "32"])
+    assert figures["reference"].endswith("in bfloat16")
+    assert figures["candidate"].endswith("in bfloat16, KV cache int8")
+    assert 0 < figures["kl_mean"] < 0.01
+    assert figures["top1_agreement"] > 0.9
+
+
 def test_a_reference_of_another_vocabulary_is_refused(models, tmp_path):
     a, _, text = models
     saved = tmp_path / "a.npz"

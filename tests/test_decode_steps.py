@@ -76,6 +76,20 @@ def test_decode_steps_on_the_kept_default_model(monkeypatch):
     _assert_same(with_steps, _generate(llm, False, monkeypatch))
 
 
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_decode_steps_on_a_quantized_kv_cache(tiny_model, kv_cache_dtype, monkeypatch):
+    """A quantized KV cache: the steps store and read it with the layers' kernels (int8's
+    row scales; fp8's layer scales as the first prompt set them)."""
+    llm = LLM(model=str(tiny_model("qwen3")), dtype="bfloat16", max_model_len=256,
+              kv_cache_memory_bytes=1 << 24, kv_cache_dtype=kv_cache_dtype,
+              calculate_kv_scales=kv_cache_dtype.startswith("fp8"))
+    with_steps = _generate(llm, True, monkeypatch)
+    steps, limit = _layers(llm).__dict__.get("decode_plan", ([], 0))
+    assert len(steps) == len(_layers(llm)) and limit > 1
+    _assert_same(with_steps, _generate(llm, False, monkeypatch))
+
+
 def test_no_decode_steps_in_float32(tiny_model):
     """Steps are bfloat16's: a float32 model keeps forward (and makes no plan)."""
     llm = LLM(model=str(tiny_model("llama")), dtype="float32", max_model_len=256,

@@ -10,7 +10,9 @@ positions of all windows:
 - top-1 agreement: how often both put the same token first.
 
 The reference is the same model run in float32 (a GGUF file's blocks dequantized once at
-load, every kernel on its float32 path), or a file saved by ``--save-reference``, which
+load, every kernel on its float32 path), or in bfloat16 (``--reference bfloat16``: what a
+quantized KV cache is measured against), either with its KV cache in its own dtype; or a
+file saved by ``--save-reference``, which
 keeps the token ids and the reference's top ``--top-k`` log-probabilities of every scored
 position (llama.cpp's ``--kl-divergence-base`` keeps the whole vocabulary instead). The KL
 divergence is taken over those top k tokens and the rest of the vocabulary as one more
@@ -37,6 +39,7 @@ from cpullm.entrypoints.llm import LLM
 from cpullm.sampling_params import SamplingParams
 
 REFERENCE_FORMAT = 1
+_REFERENCE_DTYPES = ("float32", "bfloat16")  # --reference computed now, in this dtype
 
 
 def add_quality_args(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +56,8 @@ def add_quality_args(parser: argparse.ArgumentParser) -> None:
                         help="the reference's most likely tokens kept per position for the KL "
                         "divergence (exact where it covers the vocabulary)")
     parser.add_argument("--reference", default="float32",
-                        help="'float32' (the same model run in float32) or a file written by "
+                        help="'float32' or 'bfloat16' (the same model and flags in that dtype, "
+                        "its KV cache in that dtype too), or a file written by "
                         "--save-reference")
     parser.add_argument("--save-reference", default=None, metavar="PATH",
                         help="write the reference's token ids and top log-probabilities to "
@@ -201,7 +205,7 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
     engine_args = EngineArgs.from_cli_args(args)
     reference: Reference | None = None
     top_k = args.top_k
-    if args.reference != "float32":
+    if args.reference not in _REFERENCE_DTYPES:
         reference = Reference.load(args.reference)
         top_k = reference.top_ids.shape[-1]  # the candidate's as many as the reference's
     if top_k < 1:
@@ -222,21 +226,24 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
         token_ids, score_from = reference.token_ids, reference.score_from
     candidate = score(candidate_llm, token_ids, score_from, top_k)
     config = candidate_llm.llm_engine.config
-    described = f"{_name(config)} in {str(config.model.dtype).removeprefix('torch.')}"
-    # the run's weights go before the float32 reference's come
+    described = f"{_name(config)} in {str(config.model.dtype).removeprefix('torch.')}" + (
+        f", KV cache {config.model.kv_cache_dtype}" if config.model.kv_cache_quantized else "")
+    # the run's weights go before the reference's come
     candidate_llm.llm_engine.shutdown()
     del candidate_llm
     gc.collect()
     if reference is None:
-        # the same model, flags and all, in float32
-        ref_llm = LLM.from_engine_args(dataclasses.replace(engine_args, dtype="float32"))
+        # the same model, flags and all, in float32 (or bfloat16), K and V kept in it
+        ref_llm = LLM.from_engine_args(dataclasses.replace(
+            engine_args, dtype=args.reference, kv_cache_dtype="auto",
+            calculate_kv_scales=False))
         ref = score(ref_llm, token_ids, score_from, top_k)
         ref_config = ref_llm.llm_engine.config
         ref_llm.llm_engine.shutdown()
         del ref_llm
         reference = Reference(token_ids, score_from, ref.target_logprobs, ref.top_ids,
                               ref.top_logprobs, vocab,
-                              f"{_name(ref_config)} in float32")
+                              f"{_name(ref_config)} in {args.reference}")
     if args.save_reference:
         reference.save(args.save_reference)
     figures = report(reference, candidate, described)

@@ -19,6 +19,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("decode_attention", &cpullm::decode_attention,
         "paged attention, one query per sequence", nogil);
+  m.def("cache_kv_quant", &cpullm::cache_kv_quant,
+        "write a step's keys and values into a quantized cache (int8 or fp8)", nogil);
+  m.def("decode_attention_quant", &cpullm::decode_attention_quant,
+        "decode_attention on a quantized cache, its bytes read in place", nogil);
   m.def("bind_threads", &cpullm::bind_threads, "pin intra-op threads, one per CPU", nogil);
 #if defined(__AVX512BF16__)
   m.def("rms_norm_bf16", &cpullm::rms_norm_bf16,

@@ -23,6 +23,19 @@ void prefill_attention_bf16(at::Tensor out, at::Tensor q, at::Tensor key_cache,
                             at::Tensor query_lens, double scale, int64_t window);
 #endif
 
+// attention/kv_quant.cpp: the quantized KV cache (int8 rows with float16 scales [slots or
+// blocks x block_size, kv_heads], or fp8 with one K and one V scale): the store, and
+// decode_attention on it
+void cache_kv_quant(at::Tensor key_cache, at::Tensor value_cache,
+                    c10::optional<at::Tensor> key_scales, c10::optional<at::Tensor> value_scales,
+                    at::Tensor k, at::Tensor v, at::Tensor slots, double k_scale, double v_scale);
+void decode_attention_quant(at::Tensor out, at::Tensor q, at::Tensor key_cache,
+                            at::Tensor value_cache, c10::optional<at::Tensor> key_scales,
+                            c10::optional<at::Tensor> value_scales, double k_scale,
+                            double v_scale, at::Tensor block_tables, at::Tensor seq_lens,
+                            double scale, int64_t window, double softcap,
+                            c10::optional<at::Tensor> sinks);
+
 // pointwise.cpp
 void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos,
                       at::Tensor sin);

@@ -21,7 +21,11 @@ from cpullm import distributed
 from cpullm.config import EngineConfig, KVCacheGroups
 from cpullm.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from cpullm.logger import init_logger
-from cpullm.model_executor.layers.attention import AttentionMetadata, PagedAttention
+from cpullm.model_executor.layers.attention import (
+    AttentionMetadata,
+    KVCacheQuant,
+    PagedAttention,
+)
 from cpullm.model_executor.layers.ops import load_ops
 from cpullm.model_executor.layers.pooler import finish_embeddings
 from cpullm.model_executor.loader import get_model
@@ -160,11 +164,15 @@ class ModelRunner(RunnerBase):
         shape = (2, config.cache.num_blocks + groups.has_windows, self.block_size,
                  model_config.kv_heads_per_rank(self.layout.tp_size), model_config.head_dim)
         stage = self.layout.stage_layers(model_config.num_layers)
-        slots = {slot: _kv_cache_tensor(shape, model_config.dtype)
+        slots = {slot: _kv_cache_tensor(shape, model_config.kv_storage_dtype)
                  for slot in sorted({groups.layer_slot[layer] for layer in stage})}
         self.kv_caches = [slots[groups.layer_slot[layer]] for layer in stage]  # per layer
+        # an int8 cache's float16 scales, K's and V's per row, one tensor per layer slot
+        self.kv_scales = {slot: _kv_cache_tensor(shape[:-1], torch.float16) for slot in slots} \
+            if model_config.kv_cache_dtype == "int8" else {}
         # Where the host backs a VM's memory page by page, reserving takes seconds.
-        reserving = threading.Thread(target=_reserve, args=(list(slots.values()),),
+        reserving = threading.Thread(target=_reserve,
+                                     args=([*slots.values(), *self.kv_scales.values()],),
                                      name="kv-reserve", daemon=True)
         start = time.perf_counter()
         reserving.start()
@@ -173,7 +181,8 @@ class ModelRunner(RunnerBase):
         self._assign_kv_groups(groups, stage)
         reserving.join()
         logger.info("KV cache of %.2f GiB reserved (%.1f s with the model loading)",
-                    sum(c.nbytes for c in slots.values()) / (1 << 30), time.perf_counter() - start)
+                    sum(c.nbytes for c in [*slots.values(), *self.kv_scales.values()]) / (1 << 30),
+                    time.perf_counter() - start)
         self.sampler = StepSampler(
             Sampler(model_config.vocab_size, eos_token_ids, ops),
             GuidedDecoding(lambda: load_tokenizer(model_config.source, model_config.tokenizer,
@@ -195,6 +204,11 @@ class ModelRunner(RunnerBase):
             window = attention.window if attention.window is not None else \
                 (self.sliding_window or 0)
             attention.kv_group = groups.layer_group[layer]
+            if self.config.model.kv_cache_quantized:
+                attention.kv_quant = KVCacheQuant(
+                    self.config.model.kv_storage_dtype,
+                    self.kv_scales.get(groups.layer_slot[layer]),
+                    calculate=self.config.model.calculate_kv_scales)
             if groups.windows[attention.kv_group] not in (0, window):
                 raise RuntimeError(f"layer {layer} attends to a window of {window} tokens, "
                                    f"but its KV cache group keeps "

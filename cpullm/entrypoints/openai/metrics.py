@@ -210,7 +210,7 @@ class ServerMetrics:
         cache = config.cache
         # vLLM names the KV blocks of its device "gpu blocks", on CPUs too.
         info = {"block_size": cache.block_size, "num_gpu_blocks": cache.num_blocks,
-                "cache_dtype": str(config.model.dtype).removeprefix("torch."),
+                "cache_dtype": config.model.kv_cache_dtype_name,
                 "enable_prefix_caching": cache.enable_prefix_caching, "engine": _ENGINE}
         Gauge("vllm:cache_config_info", "Information of the engine's KV cache configuration.",
               list(info), registry=self.registry).labels(

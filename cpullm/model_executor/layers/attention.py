@@ -13,7 +13,8 @@ from the paged cache after this step's K/V have been written to it:
 Decode tokens go through a C++ kernel that reads the blocks in place. In bfloat16 on a
 CPU without AMX, prompt chunks do too: one fused kernel computes their causal attention
 from the cache, skipping the keys past each query. Elsewhere they gather their requests'
-blocks into a padded [num_seqs, max_len] view; in bfloat16 with the compiled kernels, two
+blocks into a padded [num_seqs, max_len] view (dequantized from a quantized cache: chunks
+after the first of a prompt, prefix hits); in bfloat16 with the compiled kernels, two
 batched bfloat16 matmuls (on AMX tiles where the CPU has them) around a C++ causal softmax
 attend over it (torch's SDPA runs its CPU flash kernel in float32, several times slower at
 these sizes), otherwise one masked scaled-dot-product attention does. There is no Python
@@ -115,6 +116,58 @@ def prefill_kernel(ops: KernelTable) -> Kernel | None:
 
 _logged_paths: set[str] = set()
 
+# --calculate-kv-scales: the first prompt's largest |k| becomes 200 (|v|: 100) of e4m3's
+# 448, vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT, room for later tokens' larger ones
+_K_SCALE_RANGE, _V_SCALE_RANGE = 200.0, 100.0
+
+
+@dataclass(slots=True)
+class KVCacheQuant:
+    """How one layer's KV cache is quantized (--kv-cache-dtype; the model runner sets it):
+    int8 rows with a float16 scale per token and KV head, or fp8 values with one K and one
+    V scale for the layer (attention/kv_quant.cpp has the formats)."""
+
+    dtype: torch.dtype  # torch.int8, torch.float8_e4m3fn or torch.float8_e5m2
+    # int8: [2, num_blocks, block_size, kv_heads] float16, K's and V's scale per row
+    scales: torch.Tensor | None = None
+    k_scale: float = 1.0  # fp8: x = value * k_scale
+    v_scale: float = 1.0
+    calculate: bool = False  # fp8: set the scales from the first prompt's keys and values
+
+    def take_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """--calculate-kv-scales: the layer's scales from these keys and values, once."""
+        self.k_scale = max(k.abs().max().item() / _K_SCALE_RANGE, 1e-6)
+        self.v_scale = max(v.abs().max().item() / _V_SCALE_RANGE, 1e-6)
+        self.calculate = False
+
+    def store(self, cache: torch.Tensor, which: int, x: torch.Tensor,
+              slots: torch.Tensor) -> None:
+        """The plain torch store: rows ``x`` [tokens, kv_heads, head_dim] quantized into
+        ``cache`` (K: which 0, V: 1) at ``slots``, as cache_kv_quant stores them."""
+        x = x.float()
+        if self.scales is not None:
+            scale = (x.abs().amax(-1) / 127).half()
+            inv = torch.where(scale > 0, scale.float().reciprocal(), 0.0)
+            data = torch.round(x * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+            self.scales[which].view(-1, x.shape[1]).index_copy_(0, slots, scale)
+        else:
+            top = torch.finfo(self.dtype).max
+            data = (x / (self.k_scale if which == 0 else self.v_scale)).clamp_(-top, top)
+            data = data.to(self.dtype)
+        cache.view(-1, *x.shape[1:]).view(torch.uint8).index_copy_(
+            0, slots, data.view(torch.uint8))
+
+    def gather(self, cache: torch.Tensor, which: int, tables: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+        """The rows of the blocks in ``tables`` [n, blocks], dequantized:
+        [n, blocks * block_size, kv_heads, head_dim] in ``dtype``."""
+        rows = cache[tables].float().flatten(1, 2)
+        if self.scales is not None:
+            rows *= self.scales[which][tables].flatten(1, 2).float()[..., None]
+        else:
+            rows *= self.k_scale if which == 0 else self.v_scale
+        return rows.to(dtype)
+
 
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
@@ -139,6 +192,7 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.kv_group = 0  # whose block tables this layer reads (the model runner sets it)
+        self.kv_quant: KVCacheQuant | None = None  # a quantized cache's (the runner sets it)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -153,7 +207,11 @@ class PagedAttention(nn.Module):
         prefill_tables = meta.prefill_block_tables[group]
         flat_shape = (-1, self.num_kv_heads, self.head_dim)
         slots = meta.slot_mapping[group]
-        if (self.ops is not None and k.dtype == v.dtype == key_cache.dtype
+        quant = self.kv_quant
+        if quant is not None:
+            self._store_quantized(quant, key_cache, value_cache, k, v, slots,
+                                  meta.num_decode_tokens < q.shape[0])
+        elif (self.ops is not None and k.dtype == v.dtype == key_cache.dtype
                 and key_cache.is_contiguous() and value_cache.is_contiguous()
                 and slots.dtype == torch.long and slots.is_contiguous()
                 and k.stride(-1) == v.stride(-1) == 1
@@ -166,7 +224,15 @@ class PagedAttention(nn.Module):
 
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
-        if nd and self.decode_attention is not None:
+        if nd and quant is not None and self.ops is not None:
+            # reads the one-byte rows in place, as the kernel below reads bfloat16 ones
+            self.ops.decode_attention_quant(
+                out[:nd], q[:nd], key_cache, value_cache,
+                None if quant.scales is None else quant.scales[0],
+                None if quant.scales is None else quant.scales[1], quant.k_scale,
+                quant.v_scale, meta.decode_block_tables[group], meta.decode_seq_lens,
+                self.scale, window, self.softcap, sinks)
+        elif nd and self.decode_attention is not None and quant is None:
             # Reads each sequence's blocks in place: no gather, no padding.
             self.decode_attention(out[:nd], q[:nd], key_cache, value_cache,
                                   meta.decode_block_tables[group], meta.decode_seq_lens,
@@ -228,8 +294,8 @@ class PagedAttention(nn.Module):
             keys = fresh[0].view(num_prefills, max_q, kv_heads, dim)
             values = fresh[1].view(num_prefills, max_q, kv_heads, dim)
         else:
-            keys = key_cache[tables].view(num_prefills, -1, kv_heads, dim)
-            values = value_cache[tables].view(num_prefills, -1, kv_heads, dim)
+            keys = self._gather(key_cache, 0, tables, padded.dtype)
+            values = self._gather(value_cache, 1, tables, padded.dtype)
         keys_t = keys.permute(0, 2, 3, 1).reshape(batch, dim, -1)
         values = values.transpose(1, 2).reshape(batch, -1, dim)
         # [num_prefills, max_q, kv_heads, group, dim] -> [batch, group * max_q, dim]
@@ -249,8 +315,8 @@ class PagedAttention(nn.Module):
         group = self.num_heads // self.num_kv_heads
         # [num_seqs, max_len, num_kv_heads, head_dim]
         tables = meta.decode_block_tables[self.kv_group]
-        keys = key_cache[tables].view(num_seqs, -1, self.num_kv_heads, self.head_dim)
-        values = value_cache[tables].view(num_seqs, -1, self.num_kv_heads, self.head_dim)
+        keys = self._gather(key_cache, 0, tables, q.dtype)
+        values = self._gather(value_cache, 1, tables, q.dtype)
         query = q.view(num_seqs, self.num_kv_heads, group, self.head_dim)
         scores = torch.einsum("skgd,stkd->skgt", query, keys)  # [seqs, kv_heads, group, len]
         scores = self._soft_cap(scores.float() * self.scale).masked_fill_(
@@ -263,10 +329,9 @@ class PagedAttention(nn.Module):
     def _attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 block_tables: torch.Tensor, mask: torch.Tensor,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
-        num_seqs = block_tables.shape[0]
-        # [num_seqs, max_blocks, block_size, kv_heads, d] -> [num_seqs, kv_heads, max_len, d]
-        keys = key_cache[block_tables].view(num_seqs, -1, self.num_kv_heads, self.head_dim)
-        values = value_cache[block_tables].view(num_seqs, -1, self.num_kv_heads, self.head_dim)
+        # [num_seqs, max_len, kv_heads, d], from the blocks of each sequence
+        keys = self._gather(key_cache, 0, block_tables, query.dtype)
+        values = self._gather(value_cache, 1, block_tables, query.dtype)
         if self.softcap or sinks is not None:
             # SDPA has neither soft-caps nor sinks: the scores in full, as transformers does
             group = self.num_heads // self.num_kv_heads
@@ -280,6 +345,31 @@ class PagedAttention(nn.Module):
         return F.scaled_dot_product_attention(
             query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
             scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+
+    def _gather(self, cache: torch.Tensor, which: int, tables: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+        """[n, max_len, kv_heads, head_dim]: the rows of the blocks in ``tables``."""
+        if self.kv_quant is not None:
+            return self.kv_quant.gather(cache, which, tables, dtype)
+        return cache[tables].view(tables.shape[0], -1, self.num_kv_heads, self.head_dim)
+
+    def _store_quantized(self, quant: KVCacheQuant, key_cache: torch.Tensor,
+                         value_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         slots: torch.Tensor, prompt: bool) -> None:
+        if quant.calculate and prompt:  # (not from a startup probe's decode rows)
+            quant.take_scales(k, v)
+        flat_shape = (-1, self.num_kv_heads, self.head_dim)
+        if (self.ops is not None and slots.dtype == torch.long and slots.is_contiguous()
+                and k.stride(-1) == v.stride(-1) == 1
+                and k.stride(-2) == v.stride(-2) == self.head_dim):
+            rows = (None, None) if quant.scales is None else \
+                (quant.scales[0].view(-1, self.num_kv_heads),
+                 quant.scales[1].view(-1, self.num_kv_heads))
+            self.ops.cache_kv_quant(key_cache.view(flat_shape), value_cache.view(flat_shape),
+                                    *rows, k, v, slots, quant.k_scale, quant.v_scale)
+        else:
+            quant.store(key_cache, 0, k, slots)
+            quant.store(value_cache, 1, v, slots)
 
     def _soft_cap(self, scores: torch.Tensor) -> torch.Tensor:
         if not self.softcap:

@@ -23,7 +23,8 @@ CSRC = os.path.normpath(os.path.join(os.path.dirname(__file__), os.pardir, os.pa
 # -ffp-contract=off: no fused multiply-adds, so that float32 results round like the unfused
 # torch ops they replace.
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
-SOURCES = ("attention/decode.cpp", "attention/prefill.cpp", "gemm.cpp", "gemm_amx.cpp",
+SOURCES = ("attention/decode.cpp", "attention/prefill.cpp", "attention/kv_quant.cpp",
+           "gemm.cpp", "gemm_amx.cpp",
            "quant/int8_amx.cpp", "quant/tiled_dots.cpp", "quant/tiled_panels.cpp",
            "fp8_gemm.cpp", "pointwise.cpp", "sampling.cpp", "threads.cpp", "bindings.cpp")
 HEADERS = ("amx.h", "gemm_tiles.h", "ops.h", "vec.h", "attention/common.h",

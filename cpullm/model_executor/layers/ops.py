@@ -52,6 +52,8 @@ class KernelTable:
     decode_attention: Kernel
     rotary_embedding: Kernel
     cache_kv: Kernel
+    cache_kv_quant: Kernel  # the quantized KV cache (int8, fp8)
+    decode_attention_quant: Kernel
     bind_threads: Kernel
     rms_norm_bf16: Kernel | None  # AVX-512 BF16
     silu_and_mul_bf16: Kernel | None

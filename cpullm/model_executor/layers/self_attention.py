@@ -106,6 +106,13 @@ class LlamaAttention(nn.Module):
         cache_kv, decode = attn.ops.cache_kv, attn.decode_attention
         scale, softcap, window, sinks = attn.scale, attn.softcap, attn.window, self.sinks
         qk_norm, order = self.qk_norm, self.qk_order
+        # a quantized cache (--kv-cache-dtype): its store and decode kernels, int8's row
+        # scales (fp8's layer scales are read at each call: the first prompt may set them)
+        quant = attn.kv_quant
+        store_quant, decode_quant = attn.ops.cache_kv_quant, attn.ops.decode_attention_quant
+        rows = (None, None) if quant is None or quant.scales is None else \
+            (quant.scales[0], quant.scales[1])
+        flat_rows = tuple(None if r is None else r.view(-1, kv_heads) for r in rows)
 
         def attend(positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
@@ -118,12 +125,20 @@ class LlamaAttention(nn.Module):
             rotate(positions, q, k, cos, sin)
             key_cache, value_cache = kv_cache[0], kv_cache[1]
             group = attn.kv_group
-            cache_kv(key_cache.view(flat), value_cache.view(flat), k,
-                     v.view(-1, kv_heads, head_dim), meta.slot_mapping[group])
+            tables, lens = meta.decode_block_tables[group], meta.decode_seq_lens
+            layer_window = meta.sliding_window if window is None else window
             out = torch.empty_like(q)
-            decode(out, q, key_cache, value_cache, meta.decode_block_tables[group],
-                   meta.decode_seq_lens, scale, meta.sliding_window if window is None else window,
-                   softcap, sinks)
+            if quant is None:
+                cache_kv(key_cache.view(flat), value_cache.view(flat), k,
+                         v.view(-1, kv_heads, head_dim), meta.slot_mapping[group])
+                decode(out, q, key_cache, value_cache, tables, lens, scale, layer_window,
+                       softcap, sinks)
+            else:
+                store_quant(key_cache.view(flat), value_cache.view(flat), *flat_rows, k,
+                            v.view(-1, kv_heads, head_dim), meta.slot_mapping[group],
+                            quant.k_scale, quant.v_scale)
+                decode_quant(out, q, key_cache, value_cache, *rows, quant.k_scale,
+                             quant.v_scale, tables, lens, scale, layer_window, softcap, sinks)
             return o_proj(out.view(-1, q_size))
 
         return attend, min(limit for _, limit in products)

@@ -67,6 +67,10 @@ def run_layers(layers: nn.ModuleList, positions: torch.Tensor, hidden: torch.Ten
     return hidden, residual
 
 
+# bfloat16 caches, and the quantized ones (--kv-cache-dtype) the steps' kernels read
+_STEP_CACHE_DTYPES = (torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def _decode_steps(layers: nn.ModuleList, held: range, hidden: torch.Tensor,
                   residual: torch.Tensor | None, kv_caches: list[torch.Tensor], meta: Any
                   ) -> list[Callable[..., tuple[torch.Tensor, torch.Tensor]]] | None:
@@ -79,7 +83,7 @@ def _decode_steps(layers: nn.ModuleList, held: range, hidden: torch.Tensor,
             or (residual is not None and not residual.is_contiguous())
             or any(slots.dtype != torch.long or not slots.is_contiguous()
                    for slots in meta.slot_mapping)
-            or any(cache.dtype != torch.bfloat16 or not cache.is_contiguous()
+            or any(cache.dtype not in _STEP_CACHE_DTYPES or not cache.is_contiguous()
                    for cache in kv_caches)):
         return None
     plan = layers.__dict__.get("decode_plan")
