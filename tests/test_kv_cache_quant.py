@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_pool_free, hf_greedy
+from conftest import assert_pool_free, hf_greedy, kernels_or_skip
 
 from cpullm.config import KV_CACHE_DTYPES
 from cpullm.engine_args import EngineArgs
@@ -150,6 +150,42 @@ def test_decode_matches_reference(fmt, dtype):
                 err = (out.float() - want).abs().amax().item()
                 assert err < tol * max(1.0, want.abs().amax().item()), \
                     (ops.isa, heads, kv_heads, dim, window, softcap, err)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_prompt_attention_reads_the_quantized_rows(fmt):
+    """prefill_attention_quant gives, bit for bit, what the bfloat16 kernel gives on a
+    bfloat16 cache of the same rows dequantized: chunks of odd lengths, one starting past
+    cached blocks, GQA groups, windows."""
+    tables_with = [ops for ops in libraries() if ops.prefill_attention_quant is not None]
+    kernels_or_skip(tables_with, {"avx512_bf16"}, "the fused prompt attention")
+    torch.manual_seed(2)
+    for ops in tables_with:
+        for heads, kv_heads, dim in ((9, 3, 64), (8, 2, 128), (4, 4, 32)):
+            block_size, num_blocks = 32, 16
+            quant = make_quant(fmt, num_blocks, block_size, kv_heads)
+            caches = torch.zeros(2, num_blocks, block_size, kv_heads, dim, dtype=FORMATS[fmt])
+            tables = torch.randperm(num_blocks)[:12].view(3, 4)
+            starts, lens = torch.tensor([0, 45, 3]), torch.tensor([37, 50, 1])
+            for s in range(3):
+                length = int(starts[s] + lens[s])
+                slots = torch.tensor([int(tables[s, t // block_size]) * block_size
+                                      + t % block_size for t in range(length)])
+                store(ops, quant, caches, (torch.randn(length, kv_heads, dim) * 3).bfloat16(),
+                      torch.randn(length, kv_heads, dim).bfloat16(), slots)
+            every = torch.arange(num_blocks)[None]
+            plain = [quant.gather(caches[i], i, every, torch.bfloat16)[0].view(
+                caches.shape[1:]).contiguous() for i in (0, 1)]
+            q = torch.randn(int(lens.sum()), heads, dim).bfloat16()
+            for window in (0, 20):
+                got, want = torch.empty_like(q), torch.empty_like(q)
+                key_rows, value_rows = (None, None) if quant.scales is None else quant.scales
+                ops.prefill_attention_quant(got, q, caches[0], caches[1], key_rows, value_rows,
+                                            quant.k_scale, quant.v_scale, tables, starts, lens,
+                                            dim ** -0.5, window)
+                ops.prefill_attention_bf16(want, q, plain[0], plain[1], tables, starts, lens,
+                                           dim ** -0.5, window)
+                assert torch.equal(got, want), (ops.isa, heads, dim, window)
 
 
 def test_kv_cache_dtype_sizes_and_refusals(tiny_model):

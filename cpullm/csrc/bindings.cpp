@@ -45,6 +45,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal softmax of prompt-chunk attention scores, in place", nogil);
   m.def("prefill_attention_bf16", &cpullm::prefill_attention_bf16,
         "causal attention of prompt chunks on the paged bfloat16 caches, fused", nogil);
+  m.def("prefill_attention_quant", &cpullm::prefill_attention_quant,
+        "prefill_attention_bf16 on a quantized cache (int8, fp8)", nogil);
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   m.def("quant_gemm_tiled_int8", &cpullm::quant_gemm_tiled_int8,

@@ -21,6 +21,11 @@ void prefill_softmax_bf16(at::Tensor scores, at::Tensor starts, at::Tensor query
 void prefill_attention_bf16(at::Tensor out, at::Tensor q, at::Tensor key_cache,
                             at::Tensor value_cache, at::Tensor block_tables, at::Tensor starts,
                             at::Tensor query_lens, double scale, int64_t window);
+void prefill_attention_quant(at::Tensor out, at::Tensor q, at::Tensor key_cache,
+                             at::Tensor value_cache, c10::optional<at::Tensor> key_scales,
+                             c10::optional<at::Tensor> value_scales, double k_scale,
+                             double v_scale, at::Tensor block_tables, at::Tensor starts,
+                             at::Tensor query_lens, double scale, int64_t window);
 #endif
 
 // attention/kv_quant.cpp: the quantized KV cache (int8 rows with float16 scales [slots or

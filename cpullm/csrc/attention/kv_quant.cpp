@@ -1,147 +1,11 @@
-// The quantized KV cache (--kv-cache-dtype int8 / fp8_e4m3 / fp8_e5m2): the store of a step's
-// keys and values into their slots, and paged decode attention that reads the one-byte
-// elements in place, converting them to float32 in registers (no dequantized copy).
-//
-//   int8: x = q * s, with s = max|x| / 127 per token and KV head, kept as float16 in a
-//         scales tensor beside the cache [slots, kv_heads] (llama.cpp's q8_0 keeps a float16
-//         scale per 32 values; one per row of head_dim costs 2 bytes a row: 1.94x bf16's
-//         tokens at head_dim 64);
-//   fp8:  x = f * s with f an e4m3 / e5m2 value and s one float per layer for K and one for V
-//         (vLLM's k_scale / v_scale, 1.0 unless a checkpoint or --calculate-kv-scales sets
-//         them); values past the format's largest finite one saturate to it.
-//
-// Both fp8 formats become float16 in integer steps and then float32 in one conversion
-// (F16C): e5m2 is the upper byte of a float16, and e4m3's 7 bits below the sign shifted left
-// by 7 are a float16 of value e4m3 / 256 (4 exponent bits of bias 7 inside 5 of bias 15).
-#include "common.h"
-
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
-
-#include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Float8_e5m2.h>
-#include <c10/util/Half.h>
+// The quantized KV cache's kernels (kv_quant.h has the formats): the store of a step's keys
+// and values into their slots, and paged decode attention that reads the one-byte elements
+// in place, converting them to float32 in registers (no dequantized copy).
+#include "kv_quant.h"
 
 namespace cpullm {
 namespace attn {
 namespace {
-
-enum class KvFormat { kInt8, kE4M3, kE5M2 };
-
-KvFormat kv_format(const at::Tensor& cache) {
-  switch (cache.scalar_type()) {
-    case at::kChar: return KvFormat::kInt8;
-    case at::kFloat8_e4m3fn: return KvFormat::kE4M3;
-    case at::kFloat8_e5m2: return KvFormat::kE5M2;
-    default:
-      TORCH_CHECK(false, "quantized KV cache: int8, float8_e4m3fn or float8_e5m2 expected, got ",
-                  cache.scalar_type());
-  }
-}
-
-// One byte of the cache -> its value before the scale (e4m3: / 256, as the vector loads).
-template <KvFormat F>
-inline float byte_value(uint8_t b) {
-  if constexpr (F == KvFormat::kInt8) {
-    return static_cast<float>(static_cast<int8_t>(b));
-  } else if constexpr (F == KvFormat::kE4M3) {
-    return static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits())) / 256.f;
-  } else {
-    return static_cast<float>(c10::Float8_e5m2(b, c10::Float8_e5m2::from_bits()));
-  }
-}
-
-// What multiplies byte_value into the stored value, besides a per-row int8 scale.
-template <KvFormat F>
-constexpr float unit() { return F == KvFormat::kE4M3 ? 256.f : 1.f; }
-
-// The vector kernels' registers: 16 float32 lanes on AVX-512, 8 on AVX2 (F16C converts
-// both fp8 formats there too); KV_VECTOR where the build has either.
-#if defined(__AVX2__) && defined(__F16C__)
-template <KvFormat F>
-inline __m256i fp8_to_half_bits(__m256i b) {  // 16-bit lanes holding one byte each
-  if constexpr (F == KvFormat::kE4M3)
-    return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7),
-                           _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
-  return _mm256_slli_epi16(b, 8);
-}
-#endif
-
-#if defined(__AVX512F__)
-#define KV_VECTOR 1
-struct Vec {
-  using R = __m512;
-  static constexpr int kWidth = 16;
-  static R zero() { return _mm512_setzero_ps(); }
-  static R set1(float x) { return _mm512_set1_ps(x); }
-  static R load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, R x) { _mm512_storeu_ps(p, x); }
-  static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
-  static R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
-  static float sum(R x) { return _mm512_reduce_add_ps(x); }
-  // 16 bytes of the cache -> 16 float32 byte_values
-  template <KvFormat F>
-  static R bytes(const uint8_t* p) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    if constexpr (F == KvFormat::kInt8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
-    return _mm512_cvtph_ps(fp8_to_half_bits<F>(_mm256_cvtepu8_epi16(raw)));
-  }
-};
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define KV_VECTOR 1
-struct Vec {
-  using R = __m256;
-  static constexpr int kWidth = 8;
-  static R zero() { return _mm256_setzero_ps(); }
-  static R set1(float x) { return _mm256_set1_ps(x); }
-  static R load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, R x) { _mm256_storeu_ps(p, x); }
-  static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
-  static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(R x) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-  }
-  template <KvFormat F>
-  static R bytes(const uint8_t* p) {
-    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-    if constexpr (F == KvFormat::kInt8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
-    const __m256i h = fp8_to_half_bits<F>(_mm256_cvtepu8_epi16(raw));  // (8 lanes used)
-    return _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-  }
-};
-#endif
-
-// dst[0:n] = byte_value(src[0:n]) * scale
-template <KvFormat F>
-inline void dequant_row(float* dst, const uint8_t* src, int64_t n, float scale) {
-  int64_t d = 0;
-#if defined(KV_VECTOR)
-  const auto vs = Vec::set1(scale);
-  for (; d + Vec::kWidth <= n; d += Vec::kWidth)
-    Vec::store(dst + d, Vec::mul(Vec::bytes<F>(src + d), vs));
-#endif
-  for (; d < n; ++d) dst[d] = byte_value<F>(src[d]) * scale;
-}
-
-// Where a token's K or V row of one KV head lives, and its scale.
-struct PagedRows {
-  const uint8_t* data;     // the cache at the KV head
-  const c10::Half* rows;   // int8: the per-row scales at the KV head, else nullptr
-  float scale;             // the layer's scale (fp8) times unit()
-  const int64_t* bt;
-  int64_t block_size, block_stride, token_stride, kv_heads;
-
-  // (block-table entry, offset in block) -> the row and its scale
-  const uint8_t* row(int64_t block, int64_t off) const {
-    return data + block * block_stride + off * token_stride;
-  }
-  float row_scale(int64_t block, int64_t off) const {
-    return rows ? scale * static_cast<float>(rows[(block * block_size + off) * kv_heads]) : scale;
-  }
-};
 
 // How many rows ahead the loops prefetch (rows of one KV head are token_stride apart).
 constexpr int64_t kPrefetchRows = 8;
@@ -216,8 +80,82 @@ template <KvFormat F>
 using QuantScoresFn = void (*)(float*, const float*, int64_t, float, const PagedRows&, int64_t,
                                int64_t);
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// int8 keys, head_dim a multiple of 32 up to 256, a bfloat16 query: the query heads in int16
+// (each its own scale: bfloat16's 8 significant bits fit in 15 with room to spare), and each
+// row's 32 bytes widened to int16 meet them in the VNNI int16 dot products (32 products a
+// instruction, summed in int32 pairs), where the float path converts 16 values and multiplies
+// them once per query head.
+template <int G>
+void int8_scores(float* scores, const float* q, int64_t head_dim, float scale,
+                 const PagedRows& k, int64_t first, int64_t len) {
+  const int64_t n = len - first, chunks = head_dim / 32;
+  __m512i q16[G][8];
+  float qs[G];
+  for (int g = 0; g < G; ++g) {
+    const float* qg = q + g * head_dim;
+    float amax = 0.f;
+    for (int64_t d = 0; d < head_dim; ++d) amax = std::max(amax, std::fabs(qg[d]));
+    qs[g] = amax > 0.f ? amax / 32767.f : 1.f;
+    const __m512 inv = _mm512_set1_ps(1.f / qs[g]);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m256i lo = _mm512_cvtsepi32_epi16(
+          _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qg + c * 32), inv)));
+      const __m256i hi = _mm512_cvtsepi32_epi16(
+          _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qg + c * 32 + 16), inv)));
+      q16[g][c] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    }
+  }
+  __m512 part[G][16];
+  alignas(64) float row_scales[16];
+  for (int64_t t = first; t < len;) {
+    const int64_t block = k.bt[t / k.block_size], off = t % k.block_size;
+    const int64_t run = std::min(len - t, k.block_size - off);
+    float* row = scores + (t - first);
+    for (int64_t i = 0; i < run; i += 16) {
+      const int64_t m = std::min<int64_t>(16, run - i);
+      for (int64_t j = 0; j < m; ++j) {
+        const uint8_t* kr = k.row(block, off + i + j);
+        prefetch_bytes(kr + kPrefetchRows * k.token_stride, head_dim);
+        row_scales[j] = k.row_scale(block, off + i + j) * scale;
+        __m512i a[G];
+        for (int g = 0; g < G; ++g) a[g] = _mm512_setzero_si512();
+        for (int64_t c = 0; c < chunks; ++c) {
+          const __m512i x = _mm512_cvtepi8_epi16(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kr + c * 32)));
+          for (int g = 0; g < G; ++g) a[g] = _mm512_dpwssd_epi32(a[g], q16[g][c], x);
+        }
+        for (int g = 0; g < G; ++g) part[g][j] = _mm512_cvtepi32_ps(a[g]);
+      }
+      if (m == 16) {
+        const __m512 rs = _mm512_load_ps(row_scales);
+        for (int g = 0; g < G; ++g)
+          _mm512_storeu_ps(row + g * n + i, _mm512_mul_ps(reduce16(part[g]),
+                                                          _mm512_mul_ps(rs, _mm512_set1_ps(qs[g]))));
+        continue;
+      }
+      for (int g = 0; g < G; ++g)
+        for (int64_t j = 0; j < m; ++j)
+          row[g * n + i + j] = _mm512_reduce_add_ps(part[g][j]) * (row_scales[j] * qs[g]);
+    }
+    t += run;
+  }
+}
+#endif
+
+// The scores kernel for G query heads per KV head (int16_query: the query is bfloat16, so
+// int8 keys may take the integer dot products); nullptr where no vector kernel fits.
 template <KvFormat F>
-QuantScoresFn<F> scores_kernel(int64_t group, int64_t head_dim) {
+QuantScoresFn<F> scores_kernel(int64_t group, int64_t head_dim, bool int16_query) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if constexpr (F == KvFormat::kInt8) {
+    static constexpr QuantScoresFn<F> ints[] = {
+        nullptr, int8_scores<1>, int8_scores<2>, int8_scores<3>, int8_scores<4>,
+        int8_scores<5>, int8_scores<6>, int8_scores<7>, int8_scores<8>};
+    if (int16_query && group >= 1 && group <= 8 && head_dim % 32 == 0 && head_dim <= 256)
+      return ints[group];
+  }
+#endif
   static constexpr QuantScoresFn<F> kernels[] = {
       nullptr, quant_scores<F, 1>, quant_scores<F, 2>, quant_scores<F, 3>, quant_scores<F, 4>,
       quant_scores<F, 5>, quant_scores<F, 6>, quant_scores<F, 7>, quant_scores<F, 8>};
@@ -320,7 +258,8 @@ void decode_quant_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   const float kunit = static_cast<float>(k_scale) * unit<F>();
   const float vunit = static_cast<float>(v_scale) * unit<F>();
 #if defined(KV_VECTOR)
-  const QuantScoresFn<F> scores_fn = scores_kernel<F>(group, head_dim);
+  const QuantScoresFn<F> scores_fn =
+      scores_kernel<F>(group, head_dim, std::is_same_v<T, c10::BFloat16>);
   const QuantValuesFn<F> values_fn = values_kernel<F>(group, head_dim);
 #endif
   auto cost = [&](int64_t item) { return decode_cost(lens, item, num_kv_heads, window); };
@@ -366,21 +305,6 @@ void decode_quant_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
       }
     }
   });
-}
-
-// The scales tensor of an int8 cache ([slots or blocks, ..., kv_heads] float16, one per
-// row of `cache`), checked; nullptr for fp8.
-const c10::Half* row_scales(const at::Tensor& cache, const c10::optional<at::Tensor>& scales,
-                            const char* what) {
-  if (kv_format(cache) != KvFormat::kInt8) {
-    TORCH_CHECK(!scales.has_value(), what, ": per-row scales are for an int8 cache only");
-    return nullptr;
-  }
-  TORCH_CHECK(scales.has_value() && scales->scalar_type() == at::kHalf &&
-              scales->is_contiguous() &&
-              scales->numel() * cache.size(-1) == cache.numel(),
-              what, ": an int8 cache needs contiguous float16 scales, one per row");
-  return scales->data_ptr<c10::Half>();
 }
 
 // Quantizes one row of n values into dst (fp8: divided by the layer's `scale`, as torch's
@@ -440,15 +364,6 @@ void cache_kv_quant_impl(const at::Tensor& key_cache, const at::Tensor& value_ca
       }
     }
   });
-}
-
-template <typename Body>
-void dispatch_format(KvFormat format, Body&& body) {
-  switch (format) {
-    case KvFormat::kInt8: body(std::integral_constant<KvFormat, KvFormat::kInt8>{}); break;
-    case KvFormat::kE4M3: body(std::integral_constant<KvFormat, KvFormat::kE4M3>{}); break;
-    case KvFormat::kE5M2: body(std::integral_constant<KvFormat, KvFormat::kE5M2>{}); break;
-  }
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
-// Prompt-chunk attention on bfloat16 caches: the fused kernel, and the causal softmax of the
-// batched matmuls' scores.
-#include "common.h"
+// Prompt-chunk attention: the fused kernel on bfloat16 caches and on quantized ones, and the
+// causal softmax of the batched matmuls' scores.
+#include "kv_quant.h"
 
 namespace cpullm {
 
@@ -105,13 +105,35 @@ constexpr std::array<PrefillValuesTile, sizeof...(R)> prefill_values_tiles(
 // paired per two keys in bfloat16, and the values summed for 12 rows and 32 dimensions at a
 // time, two keys per BF16 dot product. head_dim a multiple of 32 up to 256, at most 16
 // query heads per KV head, no soft-cap or sinks (prefill_softmax_bf16's path has them).
-void prefill_attention_bf16(at::Tensor out, at::Tensor q, at::Tensor key_cache,
-                            at::Tensor value_cache, at::Tensor block_tables, at::Tensor starts,
-                            at::Tensor query_lens, double scale, int64_t window) {
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
-              key_cache.scalar_type() == at::kBFloat16 &&
-              value_cache.scalar_type() == at::kBFloat16,
-              "prefill_attention_bf16: bfloat16 tensors expected");
+namespace attn {
+namespace {
+
+// A quantized cache as the fused kernel reads it: each item's keys and values (one KV
+// head's rows up to its last query) dequantized into bfloat16 rows of the thread's own, and
+// read from there as from a bfloat16 cache.
+struct QuantRows {
+  // dst[0:n] = bfloat16(the row's values * scale)
+  void (*dequant)(c10::BFloat16* dst, const uint8_t* src, int64_t n, float scale, float* buf);
+  const c10::Half* key_rows;  // int8: the per-row scales [blocks x block_size, kv_heads]
+  const c10::Half* value_rows;
+  float k_scale, v_scale;  // the layer's scales times the format's unit()
+};
+
+template <KvFormat F>
+void dequant_row_bf16(c10::BFloat16* dst, const uint8_t* src, int64_t n, float scale,
+                      float* buf) {
+  dequant_row<F>(buf, src, n, scale);
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) bf16x16_store(dst + d, _mm512_loadu_ps(buf + d));
+  for (; d < n; ++d) dst[d] = c10::BFloat16(buf[d]);
+}
+
+void prefill_attention_any(at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const QuantRows* quant,
+                           const at::Tensor& block_tables, const at::Tensor& starts,
+                           const at::Tensor& query_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "prefill attention: bfloat16 q and out expected");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.stride(2) == 1 &&
               out.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(1) == out.size(2),
               "prefill_attention_bf16: q and out [tokens, heads, dim], each token's heads "
@@ -164,8 +186,11 @@ void prefill_attention_bf16(at::Tensor out, at::Tensor q, at::Tensor key_cache,
       prefill_values_tiles(std::make_integer_sequence<int, kPrefillRows>{});
   const c10::BFloat16* qp = q.data_ptr<c10::BFloat16>();
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const c10::BFloat16* kp = key_cache.data_ptr<c10::BFloat16>();
-  const c10::BFloat16* vp = value_cache.data_ptr<c10::BFloat16>();
+  // bfloat16 caches: element pointers; quantized ones: their bytes
+  const auto* kp = static_cast<const c10::BFloat16*>(key_cache.data_ptr());
+  const auto* vp = static_cast<const c10::BFloat16*>(value_cache.data_ptr());
+  const auto* kq = static_cast<const uint8_t*>(key_cache.data_ptr());
+  const auto* vq = static_cast<const uint8_t*>(value_cache.data_ptr());
   const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
 
@@ -189,6 +214,8 @@ void prefill_attention_bf16(at::Tensor out, at::Tensor q, at::Tensor key_cache,
     std::vector<float> scores;
     std::vector<int32_t> pairs;
     std::vector<const c10::BFloat16*> rows;
+    std::vector<c10::BFloat16> keys, values;  // a quantized cache's rows, dequantized
+    std::vector<float> buf(head_dim);
     alignas(64) int32_t qpk[128 * 32];
     alignas(64) int32_t pos_lanes[32], lo_lanes[32];
     alignas(64) float sums[32], inv[32];
@@ -218,18 +245,39 @@ void prefill_attention_bf16(at::Tensor out, at::Tensor q, at::Tensor key_cache,
       const __m512i pos[2] = {_mm512_load_si512(pos_lanes), _mm512_load_si512(pos_lanes + 16)};
       const __m512i lo[2] = {_mm512_load_si512(lo_lanes), _mm512_load_si512(lo_lanes + 16)};
       const int64_t* off = offsets.data() + p * max_len;
+      // a quantized cache: keys and values t0..t1 of this KV head, dequantized, row after row
+      const int64_t ldk = quant != nullptr ? head_dim / 2 : token_stride / 2;
+      if (quant != nullptr) {
+        keys.resize(n * head_dim);
+        values.resize(n * head_dim);
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t row = off[t0 + j] / head_dim + kvh;  // its index in the scales
+          const float ks = quant->key_rows
+              ? quant->k_scale * static_cast<float>(quant->key_rows[row]) : quant->k_scale;
+          const float vs = quant->value_rows
+              ? quant->v_scale * static_cast<float>(quant->value_rows[row]) : quant->v_scale;
+          quant->dequant(keys.data() + j * head_dim, kq + row * head_dim, head_dim, ks,
+                         buf.data());
+          quant->dequant(values.data() + j * head_dim, vq + row * head_dim, head_dim, vs,
+                         buf.data());
+        }
+      }
+      auto key_row = [&](int64_t t) {
+        return quant != nullptr ? keys.data() + (t - t0) * head_dim
+                                : kp + off[t] + kvh * head_dim;
+      };
       // the scores, 12 keys a tile, a block's run at a time
       scores.resize(n * 32);
       __m512 vmax[2] = {_mm512_set1_ps(-std::numeric_limits<float>::infinity()),
                         _mm512_set1_ps(-std::numeric_limits<float>::infinity())};
       for (int64_t t = t0; t < t1;) {
         const int64_t run = std::min(t1 - t, block_size - t % block_size);
-        const int32_t* k = reinterpret_cast<const int32_t*>(kp + off[t] + kvh * head_dim);
+        const int32_t* k = reinterpret_cast<const int32_t*>(key_row(t));
         for (int64_t j = 0; j < run; j += kPrefillKeys) {
           const int64_t m = std::min<int64_t>(kPrefillKeys, run - j);
-          score_tiles[m - 1](scores.data() + (t - t0 + j) * 32, t + j, k + j * token_stride / 2,
-                             token_stride / 2, reinterpret_cast<const __m512bh*>(qpk), k2,
-                             vscale, pos, lo, vmax);
+          score_tiles[m - 1](scores.data() + (t - t0 + j) * 32, t + j, k + j * ldk, ldk,
+                             reinterpret_cast<const __m512bh*>(qpk), k2, vscale, pos, lo,
+                             vmax);
         }
         t += run;
       }
@@ -260,7 +308,8 @@ void prefill_attention_bf16(at::Tensor out, at::Tensor q, at::Tensor key_cache,
       for (int64_t r = 0; r < count; ++r) inv[r] = 1.f / sums[r];
       // the values: 12 rows by 32 dimensions a pass
       rows.resize(n);
-      for (int64_t j = 0; j < n; ++j) rows[j] = vp + off[t0 + j] + kvh * head_dim;
+      for (int64_t j = 0; j < n; ++j)
+        rows[j] = quant != nullptr ? values.data() + j * head_dim : vp + off[t0 + j] + kvh * head_dim;
       for (int64_t r = 0; r < count; ++r)
         out_rows[r] = op + (first_token[p] + i0 + r / group) * out_stride +
                       (kvh * group + r % group) * head_dim;
@@ -272,6 +321,41 @@ void prefill_attention_bf16(at::Tensor out, at::Tensor q, at::Tensor key_cache,
       }
     }
   });
+}
+
+}  // namespace
+}  // namespace attn
+
+void prefill_attention_bf16(at::Tensor out, at::Tensor q, at::Tensor key_cache,
+                            at::Tensor value_cache, at::Tensor block_tables, at::Tensor starts,
+                            at::Tensor query_lens, double scale, int64_t window) {
+  TORCH_CHECK(key_cache.scalar_type() == at::kBFloat16 &&
+              value_cache.scalar_type() == at::kBFloat16,
+              "prefill_attention_bf16: bfloat16 caches expected");
+  prefill_attention_any(out, q, key_cache, value_cache, nullptr, block_tables, starts,
+                        query_lens, scale, window);
+}
+
+// The fused kernel on a quantized cache (kv_quant.h: int8 with its row scales, or fp8 with
+// the layer's k_scale and v_scale).
+void prefill_attention_quant(at::Tensor out, at::Tensor q, at::Tensor key_cache,
+                             at::Tensor value_cache, c10::optional<at::Tensor> key_scales,
+                             c10::optional<at::Tensor> value_scales, double k_scale,
+                             double v_scale, at::Tensor block_tables, at::Tensor starts,
+                             at::Tensor query_lens, double scale, int64_t window) {
+  QuantRows quant{};
+  quant.key_rows = row_scales(key_cache, key_scales, "prefill_attention_quant");
+  quant.value_rows = row_scales(value_cache, value_scales, "prefill_attention_quant");
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(),
+              "prefill_attention_quant: K and V caches of one format expected");
+  dispatch_format(kv_format(key_cache), [&](auto f) {
+    constexpr KvFormat F = decltype(f)::value;
+    quant.dequant = dequant_row_bf16<F>;
+    quant.k_scale = static_cast<float>(k_scale) * unit<F>();
+    quant.v_scale = static_cast<float>(v_scale) * unit<F>();
+  });
+  prefill_attention_any(out, q, key_cache, value_cache, &quant, block_tables, starts,
+                        query_lens, scale, window);
 }
 #endif
 

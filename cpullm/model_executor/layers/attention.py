@@ -12,9 +12,10 @@ from the paged cache after this step's K/V have been written to it:
 
 Decode tokens go through a C++ kernel that reads the blocks in place. In bfloat16 on a
 CPU without AMX, prompt chunks do too: one fused kernel computes their causal attention
-from the cache, skipping the keys past each query. Elsewhere they gather their requests'
-blocks into a padded [num_seqs, max_len] view (dequantized from a quantized cache: chunks
-after the first of a prompt, prefix hits); in bfloat16 with the compiled kernels, two
+from the cache, skipping the keys past each query (on a quantized cache, wherever it is
+compiled: each item dequantizes the rows it reads into a buffer of its thread's).
+Elsewhere they gather their requests' blocks into a padded [num_seqs, max_len] view
+(dequantized from a quantized cache); in bfloat16 with the compiled kernels, two
 batched bfloat16 matmuls (on AMX tiles where the CPU has them) around a C++ causal softmax
 attend over it (torch's SDPA runs its CPU flash kernel in float32, several times slower at
 these sizes), otherwise one masked scaled-dot-product attention does. There is no Python
@@ -184,9 +185,15 @@ class PagedAttention(nn.Module):
         self.decode_attention = decode_kernel(ops) if ops is not None else None
         # The fused prompt kernel takes heads of a multiple of 32 up to 256, up to 16 query
         # heads per KV head, no soft-cap (sinks come per call).
+        fused_shape = (not softcap and head_dim % 32 == 0 and head_dim <= 256
+                       and num_heads // num_kv_heads <= 16)
         self.prefill_attention = (
-            prefill_kernel(ops) if ops is not None and not softcap and head_dim % 32 == 0
-            and head_dim <= 256 and num_heads // num_kv_heads <= 16 else None)
+            prefill_kernel(ops) if ops is not None and fused_shape else None)
+        # On a quantized cache the fused kernel runs on every CPU with AVX-512 BF16 (AMX
+        # included): the other path gathers and dequantizes the context, and builds scores
+        # too large for its bfloat16 matmuls past a few thousand tokens (SDPA then).
+        self.prefill_attention_quant = (
+            ops.prefill_attention_quant if ops is not None and fused_shape else None)
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
@@ -239,7 +246,14 @@ class PagedAttention(nn.Module):
                                   self.scale, window, self.softcap, sinks)
         elif nd:
             out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta, window, sinks)
-        if (nd < q.shape[0] and self.prefill_attention is not None and sinks is None
+        if (nd < q.shape[0] and quant is not None and self.prefill_attention_quant is not None
+                and sinks is None and q.dtype == torch.bfloat16):
+            rows = (None, None) if quant.scales is None else (quant.scales[0], quant.scales[1])
+            self.prefill_attention_quant(out[nd:], q[nd:], key_cache, value_cache, *rows,
+                                         quant.k_scale, quant.v_scale, prefill_tables,
+                                         meta.prefill_starts, meta.prefill_query_lens,
+                                         self.scale, window)
+        elif (nd < q.shape[0] and self.prefill_attention is not None and sinks is None
                 and q.dtype == key_cache.dtype == value_cache.dtype == torch.bfloat16
                 and key_cache.is_contiguous() and value_cache.is_contiguous()):
             self.prefill_attention(out[nd:], q[nd:], key_cache, value_cache, prefill_tables,

@@ -28,8 +28,9 @@ SOURCES = ("attention/decode.cpp", "attention/prefill.cpp", "attention/kv_quant.
            "quant/int8_amx.cpp", "quant/tiled_dots.cpp", "quant/tiled_panels.cpp",
            "fp8_gemm.cpp", "pointwise.cpp", "sampling.cpp", "threads.cpp", "bindings.cpp")
 HEADERS = ("amx.h", "gemm_tiles.h", "ops.h", "vec.h", "attention/common.h",
-           "attention/decode_bf16.h", "attention/decode_amx.h", "quant/kept.h", "quant/tiled.h",
-           "quant/tiled_dots_avx512.h", "quant/tiled_dots_avx2.h")
+           "attention/decode_bf16.h", "attention/decode_amx.h", "attention/kv_quant.h",
+           "quant/kept.h", "quant/tiled.h", "quant/tiled_dots_avx512.h",
+           "quant/tiled_dots_avx2.h")
 
 @dataclass(frozen=True)
 class IsaLevel:

@@ -65,6 +65,7 @@ class KernelTable:
     decode_attention_amx: Kernel | None
     prefill_softmax_bf16: Kernel | None
     prefill_attention_bf16: Kernel | None
+    prefill_attention_quant: Kernel | None
     quant_gemm_tiled_int8: Kernel | None  # AVX-512 VNNI, or AVX2's int8 multiply-adds
     quant_gemm_tiled_grouped: Kernel | None
     quant_gemm_tiled_bf16: Kernel | None  # AVX-512 VNNI and BF16
