@@ -195,6 +195,24 @@ def avx2_kernels() -> Any:
     return None if module is None else KernelTable.of(module)
 
 
+def prebuilt_libraries() -> list[Any]:
+    """The kernel table of every prebuilt library this CPU runs (AVX2, AVX-512 VNNI,
+    AVX-512 BF16), each its own build of the kernels; a library the CPU runs but the
+    install did not build from the sources as they are fails the test."""
+    from cpullm.model_executor.layers.ops import ISA_LEVELS, KernelTable, load_prebuilt
+    from cpullm.platform.cpu import cpu_info
+
+    tables = []
+    for level in ISA_LEVELS:
+        if level.needs <= cpu_info().flags:
+            module = load_prebuilt(level)
+            if module is None:
+                pytest.fail(f"this CPU runs the {level.name} library, but the install did not "
+                            "build it from the sources as they are (make setup)")
+            tables.append(KernelTable.of(module))
+    return tables
+
+
 def kernels_or_skip(found: object, needs: set[str], what: str) -> None:
     """Skip a kernel test where the kernel library running here lacks the instruction sets
     ``needs`` (a CPU without them, or CPULLM_KERNEL_ISA set to a lower level). Where it has

@@ -16,6 +16,7 @@ from conftest import (
     avx2_kernels,
     greedy_outputs,
     kernels_or_skip,
+    prebuilt_libraries,
     quantized_kernel_runs,
     quantized_kernels,
 )
@@ -218,19 +219,9 @@ def test_tiles_keep_the_files_bytes(qtype):
 
 
 def int8_libraries() -> list[object]:
-    """The kernel table of every prebuilt library this CPU runs (AVX2, AVX-512 VNNI,
-    AVX-512 BF16): each has its own build of the int8 dot products."""
-    from cpullm.model_executor.layers.ops import KernelTable, load_prebuilt
-
-    tables = []
-    for level in ISA_LEVELS:
-        if level.needs <= cpu_info().flags:
-            module = load_prebuilt(level)
-            if module is None:
-                pytest.fail(f"this CPU runs the {level.name} library, but the install did not "
-                            "build it from the sources as they are (make setup)")
-            tables.append(KernelTable.of(module))
-    return tables
+    """Every prebuilt library this CPU runs: each has its own build of the int8 dot
+    products."""
+    return prebuilt_libraries()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 300])

@@ -9,28 +9,20 @@ import math
 
 import pytest
 import torch
-from conftest import assert_pool_free, hf_greedy, kernels_or_skip
+from conftest import assert_pool_free, hf_greedy, kernels_or_skip, prebuilt_libraries
 
 from cpullm.config import KV_CACHE_DTYPES
 from cpullm.engine_args import EngineArgs
 from cpullm.model_executor.layers.attention import KVCacheQuant
-from cpullm.model_executor.layers.ops import ISA_LEVELS, KernelTable, load_prebuilt
-from cpullm.platform.cpu import cpu_info
+from cpullm.model_executor.layers.ops import KernelTable
 
 FORMATS = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def libraries() -> list[KernelTable]:
-    """The kernel table of every prebuilt library this CPU runs: each has its own build of
-    the quantized-cache kernels (AVX2's generic loops, AVX-512's vector loads)."""
-    tables = []
-    for level in ISA_LEVELS:
-        if level.needs <= cpu_info().flags:
-            module = load_prebuilt(level)
-            if module is None:
-                pytest.fail(f"this CPU runs the {level.name} library, but the install did not "
-                            "build it from the sources as they are (make setup)")
-            tables.append(KernelTable.of(module))
+    """Every prebuilt library this CPU runs: each has its own build of the quantized-cache
+    kernels (AVX2's and AVX-512's vector loads)."""
+    tables = prebuilt_libraries()
     if not tables:
         pytest.skip("no prebuilt kernel library runs on this CPU")
     return tables

@@ -50,6 +50,11 @@ inline int64_t decode_cost(const int64_t* lens, int64_t item, int64_t num_kv_hea
   return (window > 0 ? std::min(len, window) : len) + 16;
 }
 
+// The first key a decode query at position len - 1 reads: the last `window` (> 0), or all.
+inline int64_t window_first(int64_t len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, len - window) : 0;
+}
+
 // The sink logits of attention sinks, one float32 per query head, or nullptr.
 inline const float* sink_logits(const c10::optional<at::Tensor>& sinks, int64_t num_heads) {
   if (!sinks.has_value()) return nullptr;

@@ -115,13 +115,9 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
     std::vector<float> key(head_dim), value(head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
-      const int64_t len = lens[s];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - first;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = qp + s * q_stride + (kvh * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = to_f(src[d]);
-      }
+      const int64_t len = lens[s], first = window_first(len, window), n = len - first;
+      // (the group's query heads are contiguous)
+      load_row(query.data(), qp + s * q_stride + kvh * group * head_dim, group * head_dim);
       scores.assign(group * n, 0.f);
       group_scores(scores.data(), query.data(), fscale, kp + kvh * head_dim, bt + s * max_blocks,
                    first, len, group, head_dim, block_size, block_stride, token_stride,
@@ -239,7 +235,7 @@ bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tenso
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / items_per_seq, kvh = item % items_per_seq * kv;
       const int64_t len = lens[s];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t first = window_first(len, window);
       const int64_t n = len - first;
       const c10::BFloat16* qs = qp + s * q_stride + kvh * group * head_dim;
       if (amx) {
@@ -254,7 +250,7 @@ bool decode_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tenso
         const int64_t s2 = (item + 1) / items_per_seq, kvh2 = (item + 1) % items_per_seq * kv;
         const int64_t len2 = lens[s2];
         next_item = {kp + kvh2 * head_dim, vp + kvh2 * head_dim, bt + s2 * max_blocks,
-                     window > 0 ? std::max<int64_t>(0, len2 - window) : 0, len2, block_size,
+                     window_first(len2, window), len2, block_size,
                      block_stride, token_stride, head_dim * 2};
       }
       if (amx) {

@@ -33,15 +33,15 @@ void quant_scores_rows(float* scores, const float* q, int64_t group, int64_t hea
 }
 
 #if defined(KV_VECTOR)
-// The same for G query heads, head_dim a multiple of the vector width: each row's chunks
-// are converted once and multiplied into the G heads' accumulators (in registers); on
-// AVX-512 16 rows' sums are reduced together, one lane a row.
-template <KvFormat F, int G>
-void quant_scores(float* scores, const float* q, int64_t head_dim, float scale,
-                  const PagedRows& k, int64_t first, int64_t len) {
-  constexpr int kW = Vec::kWidth;
-  const int64_t n = len - first, chunks = head_dim / kW;
-  Vec::R part[G][16];
+// Scores of the keys first..len-1 of one KV head against G query heads, 16 rows at a time
+// within a block's run: dots(row, a) leaves a row's G partial sums (vectors) in a; on
+// AVX-512 16 rows' sums are reduced together, one lane a row. scores[g * n + t - first] =
+// the sum * the row's scale * scale * head_scale[g].
+template <int G, typename Dots>
+void walk_scores(float* scores, int64_t head_dim, float scale, const float* head_scale,
+                 const PagedRows& k, int64_t first, int64_t len, Dots&& dots) {
+  const int64_t n = len - first;
+  typename Vec::R part[G][16];
   alignas(64) float row_scales[16];
   for (int64_t t = first; t < len;) {
     const int64_t block = k.bt[t / k.block_size], off = t % k.block_size;
@@ -54,26 +54,43 @@ void quant_scores(float* scores, const float* q, int64_t head_dim, float scale,
         prefetch_bytes(kr + kPrefetchRows * k.token_stride, head_dim);
         row_scales[j] = k.row_scale(block, off + i + j) * scale;
         typename Vec::R a[G];
-        for (int g = 0; g < G; ++g) a[g] = Vec::zero();
-        for (int64_t c = 0; c < chunks; ++c) {
-          const auto x = Vec::bytes<F>(kr + c * kW);
-          for (int g = 0; g < G; ++g) a[g] = Vec::fmadd(Vec::load(q + g * head_dim + c * kW), x, a[g]);
-        }
+        dots(kr, a);
         for (int g = 0; g < G; ++g) part[g][j] = a[g];
       }
 #if defined(__AVX512F__)
       if (m == 16) {
         const __m512 rs = _mm512_load_ps(row_scales);
         for (int g = 0; g < G; ++g)
-          _mm512_storeu_ps(row + g * n + i, _mm512_mul_ps(reduce16(part[g]), rs));
+          _mm512_storeu_ps(row + g * n + i, _mm512_mul_ps(
+              reduce16(part[g]), _mm512_mul_ps(rs, _mm512_set1_ps(head_scale[g]))));
         continue;
       }
 #endif
       for (int g = 0; g < G; ++g)
-        for (int64_t j = 0; j < m; ++j) row[g * n + i + j] = Vec::sum(part[g][j]) * row_scales[j];
+        for (int64_t j = 0; j < m; ++j)
+          row[g * n + i + j] = Vec::sum(part[g][j]) * (row_scales[j] * head_scale[g]);
     }
     t += run;
   }
+}
+
+// The float path, head_dim a multiple of the vector width: each row's chunks are converted
+// once and multiplied into the G heads' accumulators (in registers).
+template <KvFormat F, int G>
+void quant_scores(float* scores, const float* q, int64_t head_dim, float scale,
+                  const PagedRows& k, int64_t first, int64_t len) {
+  constexpr int kW = Vec::kWidth;
+  const int64_t chunks = head_dim / kW;
+  std::array<float, G> ones;
+  ones.fill(1.f);
+  walk_scores<G>(scores, head_dim, scale, ones.data(), k, first, len,
+                 [&](const uint8_t* kr, typename Vec::R* a) {
+    for (int g = 0; g < G; ++g) a[g] = Vec::zero();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const auto x = Vec::bytes<F>(kr + c * kW);
+      for (int g = 0; g < G; ++g) a[g] = Vec::fmadd(Vec::load(q + g * head_dim + c * kW), x, a[g]);
+    }
+  });
 }
 
 template <KvFormat F>
@@ -89,7 +106,7 @@ using QuantScoresFn = void (*)(float*, const float*, int64_t, float, const Paged
 template <int G>
 void int8_scores(float* scores, const float* q, int64_t head_dim, float scale,
                  const PagedRows& k, int64_t first, int64_t len) {
-  const int64_t n = len - first, chunks = head_dim / 32;
+  const int64_t chunks = head_dim / 32;
   __m512i q16[G][8];
   float qs[G];
   for (int g = 0; g < G; ++g) {
@@ -106,40 +123,16 @@ void int8_scores(float* scores, const float* q, int64_t head_dim, float scale,
       q16[g][c] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
     }
   }
-  __m512 part[G][16];
-  alignas(64) float row_scales[16];
-  for (int64_t t = first; t < len;) {
-    const int64_t block = k.bt[t / k.block_size], off = t % k.block_size;
-    const int64_t run = std::min(len - t, k.block_size - off);
-    float* row = scores + (t - first);
-    for (int64_t i = 0; i < run; i += 16) {
-      const int64_t m = std::min<int64_t>(16, run - i);
-      for (int64_t j = 0; j < m; ++j) {
-        const uint8_t* kr = k.row(block, off + i + j);
-        prefetch_bytes(kr + kPrefetchRows * k.token_stride, head_dim);
-        row_scales[j] = k.row_scale(block, off + i + j) * scale;
-        __m512i a[G];
-        for (int g = 0; g < G; ++g) a[g] = _mm512_setzero_si512();
-        for (int64_t c = 0; c < chunks; ++c) {
-          const __m512i x = _mm512_cvtepi8_epi16(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kr + c * 32)));
-          for (int g = 0; g < G; ++g) a[g] = _mm512_dpwssd_epi32(a[g], q16[g][c], x);
-        }
-        for (int g = 0; g < G; ++g) part[g][j] = _mm512_cvtepi32_ps(a[g]);
-      }
-      if (m == 16) {
-        const __m512 rs = _mm512_load_ps(row_scales);
-        for (int g = 0; g < G; ++g)
-          _mm512_storeu_ps(row + g * n + i, _mm512_mul_ps(reduce16(part[g]),
-                                                          _mm512_mul_ps(rs, _mm512_set1_ps(qs[g]))));
-        continue;
-      }
-      for (int g = 0; g < G; ++g)
-        for (int64_t j = 0; j < m; ++j)
-          row[g * n + i + j] = _mm512_reduce_add_ps(part[g][j]) * (row_scales[j] * qs[g]);
+  walk_scores<G>(scores, head_dim, scale, qs, k, first, len, [&](const uint8_t* kr, __m512* a) {
+    __m512i acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_si512();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512i x = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kr + c * 32)));
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_dpwssd_epi32(acc[g], q16[g][c], x);
     }
-    t += run;
-  }
+    for (int g = 0; g < G; ++g) a[g] = _mm512_cvtepi32_ps(acc[g]);
+  });
 }
 #endif
 
@@ -267,13 +260,9 @@ void decode_quant_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
     std::vector<float> query(group * head_dim), acc(group * head_dim), scores, row(head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
-      const int64_t len = lens[s];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - first;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = qp + s * q_stride + (kvh * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = to_f(src[d]);
-      }
+      const int64_t len = lens[s], first = window_first(len, window), n = len - first;
+      // (the group's query heads are contiguous)
+      load_row(query.data(), qp + s * q_stride + kvh * group * head_dim, group * head_dim);
       const PagedRows k{kp + kvh * head_dim, key_rows ? key_rows + kvh : nullptr, kunit,
                         bt + s * max_blocks, block_size, block_stride, token_stride,
                         num_kv_heads};
