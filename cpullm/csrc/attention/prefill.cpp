@@ -215,6 +215,9 @@ void prefill_attention_any(at::Tensor& out, const at::Tensor& q, const at::Tenso
     std::vector<int32_t> pairs;
     std::vector<const c10::BFloat16*> rows;
     std::vector<c10::BFloat16> keys, values;  // a quantized cache's rows, dequantized
+    // whose rows keys and values hold: a thread's items run in order, and the next item of
+    // a chunk's KV head reads the rows of the one before and more (a window: other rows)
+    int64_t held_p = -1, held_kvh = -1, held_t0 = 0, held_n = 0;
     std::vector<float> buf(head_dim);
     alignas(64) int32_t qpk[128 * 32];
     alignas(64) int32_t pos_lanes[32], lo_lanes[32];
@@ -246,11 +249,15 @@ void prefill_attention_any(at::Tensor& out, const at::Tensor& q, const at::Tenso
       const __m512i lo[2] = {_mm512_load_si512(lo_lanes), _mm512_load_si512(lo_lanes + 16)};
       const int64_t* off = offsets.data() + p * max_len;
       // a quantized cache: keys and values t0..t1 of this KV head, dequantized, row after row
+      // (those the item before left in place kept)
       const int64_t ldk = quant != nullptr ? head_dim / 2 : token_stride / 2;
       if (quant != nullptr) {
-        keys.resize(n * head_dim);
-        values.resize(n * head_dim);
-        for (int64_t j = 0; j < n; ++j) {
+        if (p != held_p || kvh != held_kvh || t0 != held_t0) {
+          held_p = p, held_kvh = kvh, held_t0 = t0, held_n = 0;
+        }
+        keys.resize(std::max(n, held_n) * head_dim);
+        values.resize(std::max(n, held_n) * head_dim);
+        for (int64_t j = held_n; j < n; ++j) {
           const int64_t row = off[t0 + j] / head_dim + kvh;  // its index in the scales
           const float ks = quant->key_rows
               ? quant->k_scale * static_cast<float>(quant->key_rows[row]) : quant->k_scale;
@@ -261,6 +268,7 @@ void prefill_attention_any(at::Tensor& out, const at::Tensor& q, const at::Tenso
           quant->dequant(values.data() + j * head_dim, vq + row * head_dim, head_dim, vs,
                          buf.data());
         }
+        held_n = std::max(n, held_n);
       }
       auto key_row = [&](int64_t t) {
         return quant != nullptr ? keys.data() + (t - t0) * head_dim
