@@ -106,7 +106,9 @@ def test_bench_serve(tiny_model, tmp_path):
     model = str(tiny_model("llama"))
     server = RemoteServer([model, *ENGINE])
     try:
-        for backend in ("openai", "openai-chat"):
+        chats = ("openai-chat", "openai-responses", "anthropic-messages")
+        prompt_tokens = {}
+        for backend in ("openai", *chats):
             stdout = run(["serve", "--base-url", server.url, "--tokenizer", model,
                           "--backend", backend, "--num-prompts", "5", "--random-input-len",
                           "16", "--random-output-len", "6", "--max-concurrency", "2",
@@ -117,9 +119,12 @@ def test_bench_serve(tiny_model, tmp_path):
             assert result["completed"] == 5 and result["failed"] == 0, backend
             assert result["total_output_tokens"] == 5 * 6
             # the server's prompt counts: a chat prompt is the text plus the chat template
-            assert (result["total_input_tokens"] > 5 * 16 if backend == "openai-chat"
+            assert (result["total_input_tokens"] > 5 * 16 if backend in chats
                     else result["total_input_tokens"] == 5 * 16)
             assert result["mean_ttft_ms"] > 0 and result["p99_itl_ms"] > 0
+            prompt_tokens[backend] = result["total_input_tokens"]
+        # the same conversation, whichever API it came through
+        assert len({prompt_tokens[backend] for backend in chats}) == 1
     finally:
         server.stop()
 

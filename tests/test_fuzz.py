@@ -29,6 +29,17 @@ def api_schema(fuzzed_server):
     return schemathesis.openapi.from_url(f"{fuzzed_server.url}/openapi.json")
 
 
+def check_error(response) -> None:
+    """A 4xx body is the route's API's error object: Anthropic's on /v1/messages, else
+    OpenAI's, with the status as its code."""
+    if httpx.URL(str(response.request.url)).path.startswith("/v1/messages"):
+        body = response.json()
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+        assert body["error"]["message"] and "Traceback" not in body["error"]["message"]
+        return
+    check_openai_error(response)
+
+
 def check_openai_error(response) -> None:
     """A 4xx body is OpenAI's error object, with the status as its code."""
     body = response.json()
@@ -39,8 +50,11 @@ def check_openai_error(response) -> None:
     assert "Traceback" not in error["message"]
 
 
-OPERATIONS = ["POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
+OPERATIONS = ["POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses",
+              "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /tokenize",
               "POST /detokenize", "GET /v1/models", "GET /health", "GET /version", "GET /"]
+# routes that translate to another's request: fewer examples each
+TRANSLATED = ("POST /v1/responses", "POST /v1/messages", "POST /v1/messages/count_tokens")
 
 
 CASES = [(label, mode) for label in OPERATIONS for mode in ("positive", "negative")
@@ -90,7 +104,8 @@ def fuzz_operation(api_schema, server, label: str, mode: str) -> None:
     statuses: list[int] = []
 
     @given(case=operation.as_strategy(generation_mode=GenerationMode(mode)))
-    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=MAX_EXAMPLES // 2 if label in TRANSLATED else MAX_EXAMPLES,
+              deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     def call(case) -> None:
         response = case.call(base_url=server.url, timeout=60)
@@ -98,7 +113,7 @@ def fuzz_operation(api_schema, server, label: str, mode: str) -> None:
         assert response.status_code < 500, (case.body, response.status_code,
                                              response.text[:500])
         if 400 <= response.status_code < 500:
-            check_openai_error(response)
+            check_error(response)
 
     call()
     assert statuses

@@ -26,7 +26,9 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="the server's address")
     parser.add_argument("--backend", choices=list(_BACKENDS), default="openai",
                         help="request shape: openai (completions, prompts as token ids), "
-                        "openai-chat (chat completions, prompts as one user message) or "
+                        "openai-chat (chat completions, prompts as one user message), "
+                        "openai-responses (/v1/responses, the prompt as input), "
+                        "anthropic-messages (/v1/messages, one user message) or "
                         "openai-embeddings (/v1/embeddings, inputs as token ids); vllm is "
                         "openai, as vLLM's bench names it")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
@@ -78,16 +80,64 @@ def _chat_body(model: str, request: BenchRequest) -> dict[str, Any]:
             "messages": [{"role": "user", "content": request.prompt}]}
 
 
+def _responses_body(model: str, request: BenchRequest) -> dict[str, Any]:
+    return {"model": model, "max_output_tokens": request.output_len, "input": request.prompt}
+
+
+def _messages_body(model: str, request: BenchRequest) -> dict[str, Any]:
+    return {"model": model, "max_tokens": request.output_len,
+            "messages": [{"role": "user", "content": request.prompt}]}
+
+
 def _embeddings_body(model: str, request: BenchRequest) -> dict[str, Any]:
     return {"model": model, "input": request.prompt_token_ids}
 
 
-# backend -> (default endpoint, request body)
-_BACKENDS: dict[str, tuple[str, Callable[[str, BenchRequest], dict[str, Any]]]] = {
-    "openai": ("/v1/completions", _completion_body),
-    "openai-chat": ("/v1/chat/completions", _chat_body),
-    "openai-embeddings": ("/v1/embeddings", _embeddings_body),
-    "vllm": ("/v1/completions", _completion_body),  # vLLM bench's name for completions
+# A streamed event's reading: (whether it carries tokens, the prompt's tokens and the
+# output's, where the event counts them)
+Reading = tuple[bool, int | None, int | None]
+
+
+def _read_openai(event: dict[str, Any]) -> Reading:
+    """Completions and chat completions: every chunk with choices is a token event (as
+    vLLM's client counts them); the last chunk has the usage."""
+    usage = event.get("usage") or {}
+    return bool(event.get("choices")), usage.get("prompt_tokens"), \
+        usage.get("completion_tokens")
+
+
+def _read_responses(event: dict[str, Any]) -> Reading:
+    if event.get("type") == "response.completed":
+        usage = event["response"]["usage"]
+        return False, usage["input_tokens"], usage["output_tokens"]
+    return event.get("type") == "response.output_text.delta", None, None
+
+
+def _read_messages(event: dict[str, Any]) -> Reading:
+    kind = event.get("type")
+    if kind == "message_start":
+        return False, event["message"]["usage"]["input_tokens"], None
+    if kind == "message_delta":
+        return False, None, event["usage"]["output_tokens"]
+    return kind == "content_block_delta", None, None
+
+
+@dataclass(frozen=True)
+class Backend:
+    endpoint: str  # the default route
+    body: Callable[[str, BenchRequest], dict[str, Any]]
+    read: Callable[[dict[str, Any]], Reading] = _read_openai
+    # what a streamed request adds to the body (the usage, where the API needs asking)
+    stream_fields: tuple[tuple[str, Any], ...] = (("stream_options", {"include_usage": True}),)
+
+
+_BACKENDS: dict[str, Backend] = {
+    "openai": Backend("/v1/completions", _completion_body),
+    "openai-chat": Backend("/v1/chat/completions", _chat_body),
+    "openai-responses": Backend("/v1/responses", _responses_body, _read_responses, ()),
+    "anthropic-messages": Backend("/v1/messages", _messages_body, _read_messages, ()),
+    "openai-embeddings": Backend("/v1/embeddings", _embeddings_body),
+    "vllm": Backend("/v1/completions", _completion_body),  # vLLM bench's name for completions
 }
 
 
@@ -106,12 +156,13 @@ async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
 
 
 async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], prompt_len: int,
-               headers: dict[str, str], ignore_eos: bool = True) -> RequestResult:
-    """One streamed request. As vLLM's client does, every chunk with choices is a token event:
-    the first gives the TTFT, the others the inter-token latencies."""
+               headers: dict[str, str], ignore_eos: bool = True,
+               backend: Backend = _BACKENDS["openai"]) -> RequestResult:
+    """One streamed request: its first token event gives the TTFT, the others the
+    inter-token latencies."""
     result = RequestResult(prompt_len=prompt_len)
     body = {**body, "temperature": 0.0, "ignore_eos": ignore_eos, "stream": True,
-            "stream_options": {"include_usage": True}}
+            **dict(backend.stream_fields)}
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", url, json=body, headers=headers) as response:
@@ -121,12 +172,14 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], prompt
             async for line in sse_lines(response):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line[6:])
+                tokens, prompt, output = backend.read(json.loads(line[6:]))
                 now = time.perf_counter()
-                if chunk.get("usage"):  # the server's count: chat prompts include the template
-                    result.prompt_len = chunk["usage"]["prompt_tokens"]
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices"):
+                # the server's counts: chat prompts include the template
+                if prompt is not None:
+                    result.prompt_len = prompt
+                if output is not None:
+                    result.output_tokens = output
+                if tokens:
                     if result.ttft == 0.0:
                         result.ttft = now - start
                     else:
@@ -134,7 +187,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], prompt
                     last = now
         result.e2e = time.perf_counter() - start
         result.success = True
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
         result.error = repr(e)
     return result
 
@@ -159,8 +212,8 @@ async def _one_embedding(client: httpx.AsyncClient, url: str, body: dict[str, An
 
 async def _run(args: argparse.Namespace, requests: list[BenchRequest], model: str
                ) -> tuple[list[RequestResult], float]:
-    default_endpoint, make_body = _BACKENDS[args.backend]
-    url = args.base_url.rstrip("/") + (args.endpoint or default_endpoint)
+    backend = _BACKENDS[args.backend]
+    url = args.base_url.rstrip("/") + (args.endpoint or backend.endpoint)
     headers = _headers(args)
     limit = asyncio.Semaphore(args.max_concurrency or len(requests))
     rng = random.Random(args.seed)
@@ -168,14 +221,14 @@ async def _run(args: argparse.Namespace, requests: list[BenchRequest], model: st
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(None)) as client:
         async def limited(request: BenchRequest) -> RequestResult:
-            body = make_body(model, request)
+            body = backend.body(model, request)
             async with limit:
                 if args.backend == "openai-embeddings":
                     result = await _one_embedding(client, url, body,
                                                   len(request.prompt_token_ids), headers)
                 else:
                     result = await _one(client, url, body, len(request.prompt_token_ids),
-                                        headers, args.ignore_eos)
+                                        headers, args.ignore_eos, backend)
             bar.update(1)
             return result
 

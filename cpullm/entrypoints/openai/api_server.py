@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import hmac
+import re
 import signal
 import threading
 import time
@@ -41,16 +42,32 @@ from cpullm.entrypoints.openai.protocol import (
 from cpullm.entrypoints.openai.serving_chat import ServingChat
 from cpullm.entrypoints.openai.serving_completion import ServingCompletion
 from cpullm.entrypoints.openai.serving_engine import OpenAIError
+from cpullm.entrypoints.openai.serving_messages import (
+    MESSAGES_ROUTE,
+    CountTokensRequest,
+    MessagesRequest,
+    ServingMessages,
+    anthropic_error,
+)
 from cpullm.entrypoints.openai.serving_pooling import ServingPooling
+from cpullm.entrypoints.openai.serving_responses import (
+    ResponsesRequest,
+    ResponseStore,
+    ServingResponses,
+)
 from cpullm.logger import init_logger
 from cpullm.platform.affinity import bind_frontend_thread
 
 logger = init_logger(__name__)
 
 
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    error = OpenAIError(message, status, param)
-    return JSONResponse(error.body(), status_code=status)
+def _error(status: int, message: str, param: str | None = None, path: str = "",
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error in the shape of the API the path belongs to: Anthropic's under
+    /v1/messages, OpenAI's elsewhere."""
+    body = anthropic_error(status, message) if path.startswith(MESSAGES_ROUTE) else \
+        OpenAIError(message, status, param).body()
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 # Routes that touch the model or reveal what it says need the API key; /health, /metrics,
@@ -59,21 +76,27 @@ _GUARDED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
 
 
 class _ApiKeyCheck:
-    """Requires ``Authorization: Bearer <key>``, one of the keys, on the guarded routes. A
+    """Requires ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``), one
+    of the keys, on the guarded routes. A
     plain ASGI middleware: streamed responses pass through untouched (a decorator
     middleware would copy every server-sent event through an extra task and stream)."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], api_keys: list[str]) -> None:
         self.app = app
         self.expected = [f"Bearer {key}".encode() for key in api_keys]
+        self.expected_plain = [key.encode() for key in api_keys]
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Awaitable[Any]],
                        send: Callable[..., Awaitable[None]]) -> None:
         if scope["type"] == "http" and scope["path"].startswith(_GUARDED_PREFIXES):
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
+            given_plain = headers.get(b"x-api-key", b"")
             # every key compared, so the time taken does not tell which one was close
-            if sum(hmac.compare_digest(given, key) for key in self.expected) == 0:
-                await _error(401, "Invalid or missing API key.")(scope, receive, send)
+            if sum(hmac.compare_digest(given, key) for key in self.expected) + sum(
+                    hmac.compare_digest(given_plain, key) for key in self.expected_plain) == 0:
+                await _error(401, "Invalid or missing API key.", path=scope["path"])(
+                    scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -94,7 +117,8 @@ class _BodyLimit:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
-        too_large = _error(413, f"The request body is larger than {self.limit} bytes.")
+        too_large = _error(413, f"The request body is larger than {self.limit} bytes.",
+                           path=scope["path"])
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
             await too_large(scope, receive, send)
@@ -104,8 +128,8 @@ class _BodyLimit:
             try:
                 message = await asyncio.wait_for(receive(), self.timeout)
             except TimeoutError:
-                await _error(408, f"The request body did not arrive within {self.timeout:g} s."
-                             )(scope, receive, send)
+                await _error(408, f"The request body did not arrive within {self.timeout:g} s.",
+                             path=scope["path"])(scope, receive, send)
                 return
             if message["type"] != "http.request":  # the client left before sending it all
                 return
@@ -127,16 +151,23 @@ class _BodyLimit:
         await self.app(scope, replay, send)
 
 
+# Errors that name the value that is not allowed (a literal, an enum, a tagged union's tag)
+_NAMING_ERRORS = ("literal_error", "enum", "union_tag_invalid")
+_BRANCH = re.compile(r"str|int|float|bool|none|[\w-]+\[.*\]")
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "Invalid request.", None
     # Of a union's errors (one per alternative), a value that is not one of the allowed
     # ones says most: "content parts of type 'image_url'" beats "not a string".
-    first = next((e for e in errors if e.get("type") in ("literal_error", "enum")), errors[0])
+    first = next((e for e in errors if e.get("type") in _NAMING_ERRORS), errors[0])
     if first.get("type") == "json_invalid":
         return f"Invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
-    location = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # (less the names of a union's branches: "str", "list[...]", "tagged-union[...]")
+    location = [str(p) for p in first.get("loc", ())
+                if p != "body" and not _BRANCH.fullmatch(str(p))]
     param = location[0] if location else None
     message = f"{'.'.join(location) or 'body'}: {first.get('msg')}"
     if first.get("type") in ("literal_error", "enum"):
@@ -176,7 +207,8 @@ def build_app(engine: ServingEngine, served_model_name: str,
               request_body_timeout: float = 30.0,
               tool_call_parser: str | None = None,
               enable_auto_tool_choice: bool = False,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None,
+              responses_store: ResponseStore | None = None) -> FastAPI:
     """The FastAPI app; the caller starts and stops the engine (see ``lifespan``)."""
     model_config = engine.config.model
     max_model_len = model_config.max_model_len
@@ -189,6 +221,10 @@ def build_app(engine: ServingEngine, served_model_name: str,
                        enable_auto_tool_choice=enable_auto_tool_choice,
                        reasoning_parser=reasoning_parser)
     pooling = ServingPooling(engine, served_model_name, max_model_len, metrics, max_open)
+    messages = ServingMessages(chat)
+    responses = ServingResponses(chat, ResponseStore(1000, 3600.0) if responses_store is None
+                                 else responses_store)
+    metrics.track_responses_store(responses.store)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -212,28 +248,28 @@ def build_app(engine: ServingEngine, served_model_name: str,
     app.state.metrics = metrics
 
     @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.param, request.url.path, exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return _error(400, message, param)
+        return _error(400, message, param, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail))
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), path=request.url.path)
 
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return _error(500, str(exc))
+    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return _error(500, str(exc), path=request.url.path)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         # A fault of this server's (the checks above should have caught the input): logged
-        # with its traceback, answered in OpenAI's shape without one.
+        # with its traceback, answered in the API's error shape without one.
         logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return _error(500, f"internal error: {type(exc).__name__}")
+        return _error(500, f"internal error: {type(exc).__name__}", path=request.url.path)
 
     # Added last runs first: CORS (only when origins are given), the key, the body limit.
     app.add_middleware(_BodyLimit, limit=max_request_body_bytes, timeout=request_body_timeout)
@@ -251,6 +287,7 @@ def build_app(engine: ServingEngine, served_model_name: str,
                 "routes": {"docs": "/docs", "models": "/v1/models", "health": "/health",
                            "completions": "/v1/completions",
                            "chat_completions": "/v1/chat/completions",
+                           "responses": "/v1/responses", "messages": "/v1/messages",
                            "embeddings": "/v1/embeddings", "score": "/v1/score",
                            "rerank": "/v1/rerank", "metrics": "/metrics"}}
 
@@ -322,6 +359,7 @@ def build_app(engine: ServingEngine, served_model_name: str,
         if log_requests:
             logger.info("completion request: n=%d max_tokens=%s stream=%s", body.n,
                         body.max_tokens, body.stream)
+        metrics.api_requests("/v1/completions")
         return await _cancel_on_disconnect(
             request, _respond(completions.create(body), request, respond))
 
@@ -331,7 +369,32 @@ def build_app(engine: ServingEngine, served_model_name: str,
             logger.info("chat request: %d messages n=%d max_tokens=%s stream=%s",
                         len(body.messages), body.n,
                         body.max_completion_tokens or body.max_tokens, body.stream)
+        metrics.api_requests("/v1/chat/completions")
         return await _cancel_on_disconnect(request, _respond(chat.create(body), request, respond))
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Any:
+        metrics.api_requests("/v1/responses")
+        return await _cancel_on_disconnect(request, _respond(responses.create(body), request,
+                                                             respond))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> dict[str, Any]:
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        return responses.delete(response_id)
+
+    @app.post("/v1/messages")
+    async def create_message(body: MessagesRequest, request: Request) -> Any:
+        metrics.api_requests("/v1/messages")
+        return await _cancel_on_disconnect(request, _respond(messages.create(body), request,
+                                                             respond))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(body: CountTokensRequest) -> dict[str, Any]:
+        return messages.count_tokens(body)
 
     return app
 
@@ -341,9 +404,9 @@ async def _respond(create: Awaitable[dict[str, Any] | AsyncIterator[str]], reque
     try:
         return await respond(request, await create)
     except OpenAIError as e:
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return _error(e.status, e.message, e.param, request.url.path, e.headers)
     except EngineDeadError as e:
-        return _error(500, str(e))
+        return _error(500, str(e), path=request.url.path)
 
 
 def bind_model_limits(node: Any, served_model_name: str, vocab_size: int,
@@ -405,7 +468,9 @@ def run_server(args: argparse.Namespace) -> int:
                                           else 8 * config.scheduler.max_num_seqs),
                     tool_call_parser=args.tool_call_parser,
                     enable_auto_tool_choice=args.enable_auto_tool_choice,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser,
+                    responses_store=ResponseStore(args.responses_store_size,
+                                                  args.responses_store_ttl))
     logger.info("Engine ready in %.1f s; serving %s on http://%s:%d", time.perf_counter() - start,
                 served_name, args.host, args.port)
     # uvicorn shuts down gracefully on SIGTERM and SIGINT, then re-raises the signal to the

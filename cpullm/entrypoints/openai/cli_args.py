@@ -79,6 +79,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
                         help="keep the model's <think> reasoning apart from its answer, in "
                              "reasoning_content")
+    parser.add_argument("--responses-store-size", type=int, default=1000,
+                        help="/v1/responses kept in memory for previous_response_id and GET "
+                             "(the oldest go first; 0: none kept)")
+    parser.add_argument("--responses-store-ttl", type=_positive_int, default=3600,
+                        help="seconds a stored /v1/responses response is kept")
     parser.add_argument("--headless", action="store_true",
                         help="serve nothing: run this node's ranks of a model that spans "
                              "nodes (--nnodes, --node-rank > 0), for the server on node 0")

@@ -16,6 +16,7 @@ from cpullm.outputs import RequestOutput
 from cpullm.sampling_params import SamplingParams
 
 _LABELS = ["model_name", "engine"]
+API_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 _ENGINE = "0"  # the label of what no replica owns (refusals, the server's configuration)
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -216,6 +217,20 @@ class ServerMetrics:
               list(info), registry=self.registry).labels(
                   **{k: str(v) for k, v in info.items()}).set(1)
         engine.on_step = self.iteration_tokens.observe
+        self._api_requests = Counter("cpullm:api_requests", "Requests taken by each API route.",
+                                     ["model_name", "route"], registry=self.registry)
+        for route in API_ROUTES:  # listed from the start
+            self._api_requests.labels(model_name, route)
+
+    def api_requests(self, route: str) -> None:
+        """Count a request that ``route`` took."""
+        self._api_requests.labels(self.model_name, route).inc()
+
+    def track_responses_store(self, store: Any) -> None:
+        """Report how many /v1/responses responses ``store`` (a sized container) keeps."""
+        Gauge("cpullm:responses_stored", "Responses kept for previous_response_id and GET.",
+              ["model_name"], registry=self.registry).labels(self.model_name).set_function(
+                  lambda: len(store))
 
     def for_engine(self, replica: int) -> RequestMetrics:
         """The request-level metrics of engine replica ``replica``."""

@@ -207,6 +207,20 @@ class _SamplingFields(_Refusing):
             structured_outputs=self.structured_outputs_params())
 
 
+# vLLM's sampling fields beyond OpenAI's, which /v1/responses and /v1/messages take too
+# (as extra fields of their bodies) and hand on to the chat request they become
+VLLM_SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "seed", "min_tokens",
+                        "ignore_eos", "presence_penalty", "frequency_penalty", "stop",
+                        "stop_token_ids", "logit_bias", "skip_special_tokens",
+                        "include_stop_str_in_output", "cache_salt")
+
+
+def sampling_extras(request: BaseModel) -> dict[str, Any]:
+    """The vLLM sampling fields a request body carries beyond its API's own."""
+    return {name: value for name, value in (request.model_extra or {}).items()
+            if name in VLLM_SAMPLING_EXTRAS}
+
+
 _Text = Annotated[str, Field(min_length=1)]
 _TokenIds = Annotated[list[_TokenId], Field(min_length=1)]
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
+
+import pydantic
 
 from cpullm.entrypoints.openai.protocol import ChatCompletionRequest, now, random_id
 from cpullm.entrypoints.openai.reasoning_parsers import (
@@ -28,7 +31,61 @@ from cpullm.entrypoints.openai.tool_parsers import (
     get_tool_parser,
 )
 from cpullm.outputs import CompletionOutput, Logprob, RequestOutput
+from cpullm.sampling_params import SamplingParams
 from cpullm.structured_output import StructuredOutputsParams
+
+
+@dataclass
+class ChatTurn:
+    """A chat request ready for the engine."""
+
+    mode: str | None  # the tool mode (ServingChat.tool_mode)
+    token_ids: list[int]
+    params: SamplingParams
+
+
+class AnswerStream:
+    """One streamed answer, split piece by piece as ``ServingChat.message`` splits a whole
+    one: the reasoning (with a reasoning parser, unless the answer is a required or named
+    call), the content, and OpenAI's tool-call deltas (``ToolCallStream``)."""
+
+    def __init__(self, mode: str | None, tool_parser: ToolParser | None,
+                 reasoning_parser: ReasoningParser | None, name: str = "") -> None:
+        self.reasoning = None if reasoning_parser is None or mode in ("required", "named") \
+            else ReasoningStream(reasoning_parser)
+        self.calls = ToolCallStream(mode, tool_parser, name) \
+            if mode in ("auto", "required", "named") else None
+
+    @property
+    def called(self) -> bool:
+        """Whether the answer was sent as tool calls."""
+        return self.calls is not None and self.calls.called
+
+    def feed(self, text: str, final: bool) -> tuple[str, str, list[dict[str, Any]]]:
+        """(reasoning, content, tool-call deltas) of the next piece of the answer."""
+        thought = ""
+        if self.reasoning is not None:
+            thought, text = self.reasoning.feed(text, final=final)
+        if self.calls is None:
+            return thought, text, []
+        content, deltas = self.calls.feed(text, final=final)
+        return thought, content, deltas
+
+
+@dataclass
+class AnswerPiece:
+    """The next piece of a one-choice streamed answer, split (``AnswerStream``)."""
+
+    completion: CompletionOutput  # its engine output
+    output_tokens: int  # generated so far
+    thought: str
+    content: str
+    calls: list[dict[str, Any]]  # OpenAI's tool-call deltas
+    called: bool  # the answer so far was sent as tool calls
+
+    @property
+    def final(self) -> bool:
+        return self.completion.finish_reason is not None
 
 
 class ServingChat(ServingBase):
@@ -47,6 +104,18 @@ class ServingChat(ServingBase):
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.reasoning_parser: ReasoningParser | None = (
             None if reasoning_parser is None else get_reasoning_parser(reasoning_parser))
+
+    @staticmethod
+    def translated(fields: dict[str, Any]) -> ChatCompletionRequest:
+        """The chat request another API's request translates to; what it does not take is a
+        400 naming the field (the other API's field where its name is kept)."""
+        try:
+            return ChatCompletionRequest.model_validate(fields)
+        except pydantic.ValidationError as e:
+            error = e.errors()[0]
+            where = ".".join(str(part) for part in error["loc"])
+            raise OpenAIError(f"{where}: {error['msg']}", 400,
+                              str(error["loc"][0]) if error["loc"] else None) from None
 
     def tool_mode(self, request: ChatCompletionRequest) -> str | None:
         """None (no tools), "none", "auto", "required" or "named"; refuses what cannot be
@@ -146,8 +215,10 @@ class ServingChat(ServingBase):
             raise OpenAIError(f"chat template failed: {e}", 400, "messages") from None
         return self.encode(prompt, add_special_tokens=False)
 
-    async def create(self, request: ChatCompletionRequest
-                     ) -> dict[str, Any] | AsyncIterator[str]:
+    def prepare(self, request: ChatCompletionRequest) -> ChatTurn:
+        """The checked request as the engine takes it: the tool mode, the rendered prompt's
+        token ids and the sampling parameters (a required or named call's JSON schema held
+        by structured outputs). /v1/messages and /v1/responses come through here too."""
         self.check_request(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true.", 400, "top_logprobs")
@@ -165,6 +236,31 @@ class ServingChat(ServingBase):
                 self.engine.frontend.check_params(params)
             except ValueError as e:
                 raise OpenAIError.from_value_error(e) from None
+        return ChatTurn(mode, token_ids, params)
+
+    def answer_stream(self, request: ChatCompletionRequest, mode: str | None) -> AnswerStream:
+        """A streamed answer's splitter, which splits it as ``message`` splits the whole."""
+        name = "" if isinstance(request.tool_choice, str | None) else \
+            request.tool_choice.function.name
+        return AnswerStream(mode, self.tool_parser, self.reasoning_parser, name)
+
+    async def pieces(self, request: ChatCompletionRequest, mode: str | None,
+                     stream: AsyncIterator[RequestOutput]) -> AsyncIterator[AnswerPiece]:
+        """A one-choice answer's stream in split pieces, for the APIs that translate to chat
+        (/v1/messages, /v1/responses) to spell in their own events."""
+        answer = self.answer_stream(request, mode)
+        output_tokens = 0
+        async for output in stream:
+            completion = output.outputs[0]
+            output_tokens += len(completion.token_ids)
+            thought, content, calls = answer.feed(completion.text,
+                                                  completion.finish_reason is not None)
+            yield AnswerPiece(completion, output_tokens, thought, content, calls, answer.called)
+
+    async def create(self, request: ChatCompletionRequest
+                     ) -> dict[str, Any] | AsyncIterator[str]:
+        turn = self.prepare(request)
+        mode, token_ids, params = turn.mode, turn.token_ids, turn.params
         response_id = random_id("chatcmpl")
         stream = self.generate(response_id, token_ids, params, request.cache_salt)
         if request.stream:
@@ -245,10 +341,7 @@ class ServingChat(ServingBase):
         answer called tools. A reasoning parser's reasoning goes out first, apart."""
         chunk = self._chunker(response_id)
         completion_tokens = 0
-        calls: dict[int, ToolCallStream] = {}
-        reasoning: dict[int, ReasoningStream] = {}
-        name = "" if isinstance(request.tool_choice, str | None) else \
-            request.tool_choice.function.name
+        answers: dict[int, AnswerStream] = {}
 
         try:
             async for output in stream:
@@ -256,22 +349,18 @@ class ServingChat(ServingBase):
                     completion_tokens += len(completion.token_ids)
                     index, final = completion.index, completion.finish_reason is not None
                     delta: dict[str, Any] = {}
-                    if index not in calls:
-                        calls[index] = ToolCallStream(mode, self.tool_parser, name)
+                    if index not in answers:
+                        answers[index] = self.answer_stream(request, mode)
                         delta = {"role": "assistant", "content": ""}
-                    text = completion.text
-                    if self.reasoning_parser is not None and mode == "auto":
-                        split = reasoning.setdefault(index, ReasoningStream(self.reasoning_parser))
-                        thought, text = split.feed(text, final=final)
-                        if thought:
-                            delta["reasoning_content"] = thought
-                    content, tool_calls = calls[index].feed(text, final=final)
+                    thought, content, tool_calls = answers[index].feed(completion.text, final)
+                    if thought:
+                        delta["reasoning_content"] = thought
                     if content:
                         delta["content"] = content
                     if tool_calls:
                         delta["tool_calls"] = tool_calls
                     finish = completion.finish_reason
-                    if finish == "stop" and calls[index].called:
+                    if finish == "stop" and answers[index].called:
                         finish = "tool_calls"
                     if delta or final:
                         yield chunk([{"index": index, "delta": delta, "logprobs": None,

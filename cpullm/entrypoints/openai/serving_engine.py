@@ -96,7 +96,7 @@ class ServingBase:
         self.max_open_requests = max_open_requests  # past it: 503 at once
         self.vocab_size = engine.config.model.vocab_size
         self.max_token_bytes = max_token_bytes(engine.tokenizer)
-        self._warned_fields: set[str] = set()
+        self._warned_fields: set[tuple[str, str]] = set()  # (route, field)
 
     def check_request(self, request: _SamplingFields) -> None:
         """Refuse a request for another model, any request once the engine is dead, and
@@ -111,11 +111,16 @@ class ServingBase:
         if refused is not None:
             name, reason = refused
             raise OpenAIError(f"{name} is not supported by this server: {reason}.", 400, name)
-        new = [name for name in request.ignored_fields() if name not in self._warned_fields]
+        self.warn_ignored(request.ignored_fields())
+
+    def warn_ignored(self, names: list[str], route: str | None = None) -> None:
+        """Name in the log, once per route, each field a request sent that is ignored."""
+        route = route or self.route
+        new = [name for name in names if (route, name) not in self._warned_fields]
         if new:
-            self._warned_fields.update(new)
+            self._warned_fields.update((route, name) for name in new)
             logger.warning("%s: these request fields are not known to this server and are "
-                           "ignored: %s (each is named once)", self.route, ", ".join(new))
+                           "ignored: %s (each is named once)", route, ", ".join(new))
 
     def check_capacity(self) -> None:
         """Refuse a request at once, with a 503 and Retry-After, when the requests already
