@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from cpullm import beam_search
+from cpullm.beam_search import BeamSearchOutput, BeamSearchParams
 from cpullm.engine.llm_engine import LLMEngine, Prompt
 from cpullm.engine_args import EngineArgs
 from cpullm.logger import logging_to_tqdm
@@ -75,6 +77,27 @@ class LLM:
             sampling_params = SamplingParams()
         params_list = _params_list(sampling_params, len(prompts), "sampling_params")
         return self._submit(prompts, params_list, use_tqdm)  # type: ignore[return-value]
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """The ``beam_width`` best sequences of every prompt (vLLM's ``LLM.beam_search``),
+        searched as transformers' ``generate(num_beams=...)`` searches; the beams of every
+        prompt are scored together, one batch a step."""
+        engine = self.llm_engine
+        frontend = engine.frontend
+        beam_search.check_width(params, engine.config.model.max_logprobs,
+                                engine.config.model.vocab_size, frontend.eos_token_ids)
+        searches = []
+        for prompt in _prompt_list(prompts):
+            _, token_ids = engine.tokenize_prompt(prompt)
+            frontend.check_prompt(token_ids)
+            beam_search.check_length(token_ids, params, engine.config.model.max_model_len)
+            searches.append(beam_search.BeamSearch(token_ids, params, frontend.eos_token_ids))
+        beam_search.run(searches, lambda batch, step: self.generate(
+            [{"prompt_token_ids": tokens} for tokens in batch], step, use_tqdm=use_tqdm))
+        decode = engine.tokenizer.decode
+        return [search.output(lambda ids: decode(ids, skip_special_tokens=True))
+                for search in searches]
 
     def _submit(self, prompts: list[Prompt],
                 params_list: Sequence[SamplingParams | PoolingParams], use_tqdm: bool

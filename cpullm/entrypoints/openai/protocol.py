@@ -233,6 +233,9 @@ class CompletionRequest(_SamplingFields):
                                    json_schema_extra=CONTEXT_LENGTH)
     logprobs: int | None = Field(default=None, ge=0)
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # must equal n
+    # vLLM's beam search: the n best beams
+    use_beam_search: bool = False
+    length_penalty: float = Field(default=1.0, ge=-100.0, le=100.0)
 
     REFUSED = {"suffix": (_absent, "insertion (suffix) is not supported")}
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from cpullm import beam_search
+from cpullm.beam_search import BeamSearchParams
 from cpullm.entrypoints.openai.protocol import CompletionRequest, now, random_id
 from cpullm.entrypoints.openai.serving_engine import (
     OpenAIError,
@@ -17,6 +19,7 @@ from cpullm.entrypoints.openai.serving_engine import (
     usage,
 )
 from cpullm.outputs import CompletionOutput, Logprob, RequestOutput
+from cpullm.sampling_params import SamplingParams
 
 
 class ServingCompletion(ServingBase):
@@ -36,9 +39,15 @@ class ServingCompletion(ServingBase):
     async def create(self, request: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         self.check_request(request)
         if request.best_of is not None and request.best_of != request.n:
-            raise OpenAIError("best_of must equal n (beam search is not supported).", 400,
-                              "best_of")
+            raise OpenAIError("best_of must equal n (with use_beam_search, n is the beam "
+                              "width).", 400, "best_of")
         prompts = self._prompts(request)
+        response_id = random_id("cmpl")
+        if request.use_beam_search:
+            streams = self._beam_searches(request, response_id, prompts)
+            if request.stream:
+                return self._stream(request, response_id, prompts, streams)
+            return await self._full(request, response_id, prompts, streams)
         # echo_only computes one token, which the answer leaves out.
         max_tokens = [self.check_prompt(p, 1 if request.echo_only else request.max_tokens)
                       for p in prompts]
@@ -46,12 +55,54 @@ class ServingCompletion(ServingBase):
         if request.echo and request.logprobs is not None:
             for p in params:
                 p.prompt_logprobs = request.logprobs
-        response_id = random_id("cmpl")
         streams = [self.generate(f"{response_id}-{i}", p, sp, request.cache_salt)
                    for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
         if request.stream:
             return self._stream(request, response_id, prompts, streams)
         return await self._full(request, response_id, prompts, streams)
+
+    def _beam_searches(self, request: CompletionRequest, response_id: str,
+                       prompts: list[list[int]]) -> list[AsyncIterator[RequestOutput]]:
+        """vLLM's use_beam_search: each prompt's ``n`` best beams as its choices, each
+        search a stream of one final output."""
+        for name, unset in (("logprobs", request.logprobs is None), ("echo", not request.echo),
+                            ("prompt_logprobs", request.prompt_logprobs is None),
+                            ("stop", not request.stop),
+                            ("structured outputs", request.structured_outputs_params() is None)):
+            if not unset:
+                raise OpenAIError(f"{name} cannot be combined with use_beam_search.", 400,
+                                  name.replace(" ", "_"))
+        config = self.engine.config.model
+        eos = self.engine.frontend.eos_token_ids
+        searches = []
+        for prompt in prompts:
+            try:
+                params = BeamSearchParams(
+                    beam_width=request.n, max_tokens=self.check_prompt(prompt,
+                                                                       request.max_tokens),
+                    ignore_eos=request.ignore_eos, temperature=request.temperature or 0.0,
+                    length_penalty=request.length_penalty,
+                    include_stop_str_in_output=request.include_stop_str_in_output)
+                beam_search.check_width(params, config.max_logprobs, config.vocab_size, eos)
+            except ValueError as e:
+                raise OpenAIError.from_value_error(e) from None
+            searches.append(beam_search.BeamSearch(prompt, params, eos))
+
+        async def score(tokens: list[int], params: SamplingParams) -> RequestOutput:
+            final = None
+            async for output in self.generate(random_id("beam"), tokens, params,
+                                              request.cache_salt, record=False):
+                final = output
+            return final
+
+        async def search(index: int, prompt: list[int], found: beam_search.BeamSearch
+                         ) -> AsyncIterator[RequestOutput]:
+            await beam_search.run_async(found, score)
+            result = found.output(lambda ids: self.engine.tokenizer.decode(
+                ids, skip_special_tokens=request.skip_special_tokens))
+            yield beam_search.as_request_output(f"{response_id}-{index}", None, prompt, result)
+
+        return [search(i, p, s) for i, (p, s) in enumerate(zip(prompts, searches, strict=True))]
 
     async def _full(self, request: CompletionRequest, response_id: str,
                     prompts: list[list[int]], streams: list[AsyncIterator[RequestOutput]]

@@ -202,10 +202,11 @@ class ServingBase:
         return params
 
     async def generate(self, request_id: str, token_ids: list[int],
-                       params: SamplingParams | PoolingParams, cache_salt: str | None = None
-                       ) -> AsyncGenerator[Any, None]:
+                       params: SamplingParams | PoolingParams, cache_salt: str | None = None,
+                       record: bool = True) -> AsyncGenerator[Any, None]:
         """The engine's outputs for one prompt (RequestOutputs; a pooling request's one
-        PoolingRequestOutput), with latency metrics recorded on the way."""
+        PoolingRequestOutput), with latency metrics recorded on the way (unless
+        ``record`` is false: a step of a beam search, which is not a request of its own)."""
         start = last = time.monotonic()
         first = True
         num_tokens = 0
@@ -213,6 +214,9 @@ class ServingBase:
         stream = self.engine.generate(request_id, token_ids, params, cache_salt)
         try:
             async for output in stream:
+                if not record:
+                    yield output
+                    continue
                 now = time.monotonic()
                 # under the replica that runs the request
                 metrics = self.metrics.for_engine(self.engine.replica_of(request_id))
