@@ -134,7 +134,9 @@ def test_use_beam_search_in_completions(eos_model, llm):
         assert bad.status_code == 400 and "--max-logprobs" in bad.json()["error"]["message"]
         bad = httpx.post(url, json={**body, "temperature": 0.5, "best_of": 2}, timeout=60)
         assert bad.status_code == 400
-        assert server.metrics()["cpullm:api_requests_total"] == 4
+        metrics = server.metrics()
+        assert metrics["cpullm:api_requests_total"] == 4
+        assert metrics["cpullm:beam_search_requests_total"] == 2
         server.wait_idle()
     finally:
         server.stop()

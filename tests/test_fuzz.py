@@ -104,7 +104,7 @@ def fuzz_operation(api_schema, server, label: str, mode: str) -> None:
     statuses: list[int] = []
 
     @given(case=operation.as_strategy(generation_mode=GenerationMode(mode)))
-    @settings(max_examples=MAX_EXAMPLES // 2 if label in TRANSLATED else MAX_EXAMPLES,
+    @settings(max_examples=MAX_EXAMPLES // 4 if label in TRANSLATED else MAX_EXAMPLES,
               deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     def call(case) -> None:

@@ -51,14 +51,20 @@ THOUGHT = r"<think>[a-z ]{10,40}</think>[A-Za-z ]{5,30}"
 
 
 @pytest.fixture(scope="module")
-def client():
-    import openai
+def server():
     from server_utils import RemoteServer
 
     server = RemoteServer(["--max-model-len", "1024", "--served-model-name", "default",
                            "--reasoning-parser", "qwen3"])
-    yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -82,3 +88,40 @@ def test_reasoning_content_through_the_server(client, stream):
         reasoning, content = message.reasoning_content, message.content
     assert re.fullmatch(r"[a-z ]{10,40}", reasoning), reasoning
     assert re.fullmatch(r"[A-Za-z ]{5,30}", content), content
+
+
+ASK_TO_THINK = "Think, then answer."
+HELD = {"structured_outputs": {"regex": THOUGHT}, "seed": 4}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_items_through_responses(client, stream):
+    """/v1/responses: the thought is a reasoning item ahead of the message."""
+    if stream:
+        with client.responses.stream(model="default", input=ASK_TO_THINK,
+                                     max_output_tokens=80, extra_body=HELD) as events:
+            response = events.get_final_response()
+    else:
+        response = client.responses.create(model="default", input=ASK_TO_THINK,
+                                           max_output_tokens=80, extra_body=HELD)
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert re.fullmatch(r"[a-z ]{10,40}", response.output[0].content[0].text)
+    assert re.fullmatch(r"[A-Za-z ]{5,30}", response.output_text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_thinking_blocks_through_messages(server, stream):
+    """/v1/messages: the thought is a thinking block ahead of the text."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused")
+    ask = {"model": "default", "max_tokens": 80, "extra_body": HELD,
+           "messages": [{"role": "user", "content": ASK_TO_THINK}]}
+    if stream:
+        with client.messages.stream(**ask) as events:
+            message = events.get_final_message()
+    else:
+        message = client.messages.create(**ask)
+    assert [block.type for block in message.content] == ["thinking", "text"]
+    assert re.fullmatch(r"[a-z ]{10,40}", message.content[0].thinking)
+    assert re.fullmatch(r"[A-Za-z ]{5,30}", message.content[1].text)

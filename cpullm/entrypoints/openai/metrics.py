@@ -221,6 +221,10 @@ class ServerMetrics:
                                      ["model_name", "route"], registry=self.registry)
         for route in API_ROUTES:  # listed from the start
             self._api_requests.labels(model_name, route)
+        self.beam_searches = counter(
+            "cpullm:beam_search_requests",
+            "Prompts searched with use_beam_search (each beam step is not a request of its "
+            "own).").labels(model_name, _ENGINE)
 
     def api_requests(self, route: str) -> None:
         """Count a request that ``route`` took."""

@@ -212,7 +212,7 @@ class _SamplingFields(_Refusing):
 VLLM_SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "seed", "min_tokens",
                         "ignore_eos", "presence_penalty", "frequency_penalty", "stop",
                         "stop_token_ids", "logit_bias", "skip_special_tokens",
-                        "include_stop_str_in_output", "cache_salt")
+                        "include_stop_str_in_output", "cache_salt", "structured_outputs")
 
 
 def sampling_extras(request: BaseModel) -> dict[str, Any]:

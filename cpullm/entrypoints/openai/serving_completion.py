@@ -87,6 +87,7 @@ class ServingCompletion(ServingBase):
             except ValueError as e:
                 raise OpenAIError.from_value_error(e) from None
             searches.append(beam_search.BeamSearch(prompt, params, eos))
+        self.metrics.beam_searches.inc(len(searches))
 
         async def score(tokens: list[int], params: SamplingParams) -> RequestOutput:
             final = None

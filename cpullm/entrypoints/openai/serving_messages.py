@@ -217,7 +217,7 @@ class ServingMessages:
     def __init__(self, chat: ServingChat) -> None:
         self.chat = chat
 
-    def _request(self, request: CountTokensRequest, **sampling: Any) -> ChatCompletionRequest:
+    def _request(self, request: CountTokensRequest) -> ChatCompletionRequest:
         refused = request.refused_field()
         if refused is not None:
             name, reason = refused
@@ -230,7 +230,7 @@ class ServingMessages:
             if tool.input_schema is None:
                 raise OpenAIError(f"tools: the tool {tool.name!r} needs an input_schema.", 400,
                                   "tools")
-        return request.chat_request(**sampling)
+        return request.chat_request()
 
     def count_tokens(self, request: CountTokensRequest) -> dict[str, Any]:
         self.chat.check_model(request.model)
