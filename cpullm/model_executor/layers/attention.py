@@ -135,6 +135,12 @@ class KVCacheQuant:
     v_scale: float = 1.0
     calculate: bool = False  # fp8: set the scales from the first prompt's keys and values
 
+    @property
+    def rows(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """int8's K and V row scales as the kernels take them (any contiguous shape with
+        one scale per row); fp8: (None, None)."""
+        return (None, None) if self.scales is None else (self.scales[0], self.scales[1])
+
     def take_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """--calculate-kv-scales: the layer's scales from these keys and values, once."""
         self.k_scale = max(k.abs().max().item() / _K_SCALE_RANGE, 1e-6)
@@ -234,9 +240,7 @@ class PagedAttention(nn.Module):
         if nd and quant is not None and self.ops is not None:
             # reads the one-byte rows in place, as the kernel below reads bfloat16 ones
             self.ops.decode_attention_quant(
-                out[:nd], q[:nd], key_cache, value_cache,
-                None if quant.scales is None else quant.scales[0],
-                None if quant.scales is None else quant.scales[1], quant.k_scale,
+                out[:nd], q[:nd], key_cache, value_cache, *quant.rows, quant.k_scale,
                 quant.v_scale, meta.decode_block_tables[group], meta.decode_seq_lens,
                 self.scale, window, self.softcap, sinks)
         elif nd and self.decode_attention is not None and quant is None:
@@ -248,8 +252,7 @@ class PagedAttention(nn.Module):
             out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta, window, sinks)
         if (nd < q.shape[0] and quant is not None and self.prefill_attention_quant is not None
                 and sinks is None and q.dtype == torch.bfloat16):
-            rows = (None, None) if quant.scales is None else (quant.scales[0], quant.scales[1])
-            self.prefill_attention_quant(out[nd:], q[nd:], key_cache, value_cache, *rows,
+            self.prefill_attention_quant(out[nd:], q[nd:], key_cache, value_cache, *quant.rows,
                                          quant.k_scale, quant.v_scale, prefill_tables,
                                          meta.prefill_starts, meta.prefill_query_lens,
                                          self.scale, window)
@@ -376,11 +379,8 @@ class PagedAttention(nn.Module):
         if (self.ops is not None and slots.dtype == torch.long and slots.is_contiguous()
                 and k.stride(-1) == v.stride(-1) == 1
                 and k.stride(-2) == v.stride(-2) == self.head_dim):
-            rows = (None, None) if quant.scales is None else \
-                (quant.scales[0].view(-1, self.num_kv_heads),
-                 quant.scales[1].view(-1, self.num_kv_heads))
             self.ops.cache_kv_quant(key_cache.view(flat_shape), value_cache.view(flat_shape),
-                                    *rows, k, v, slots, quant.k_scale, quant.v_scale)
+                                    *quant.rows, k, v, slots, quant.k_scale, quant.v_scale)
         else:
             quant.store(key_cache, 0, k, slots)
             quant.store(value_cache, 1, v, slots)

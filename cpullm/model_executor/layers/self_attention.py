@@ -110,9 +110,7 @@ class LlamaAttention(nn.Module):
         # scales (fp8's layer scales are read at each call: the first prompt may set them)
         quant = attn.kv_quant
         store_quant, decode_quant = attn.ops.cache_kv_quant, attn.ops.decode_attention_quant
-        rows = (None, None) if quant is None or quant.scales is None else \
-            (quant.scales[0], quant.scales[1])
-        flat_rows = tuple(None if r is None else r.view(-1, kv_heads) for r in rows)
+        rows = (None, None) if quant is None else quant.rows
 
         def attend(positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
@@ -134,7 +132,7 @@ class LlamaAttention(nn.Module):
                 decode(out, q, key_cache, value_cache, tables, lens, scale, layer_window,
                        softcap, sinks)
             else:
-                store_quant(key_cache.view(flat), value_cache.view(flat), *flat_rows, k,
+                store_quant(key_cache.view(flat), value_cache.view(flat), *rows, k,
                             v.view(-1, kv_heads, head_dim), meta.slot_mapping[group],
                             quant.k_scale, quant.v_scale)
                 decode_quant(out, q, key_cache, value_cache, *rows, quant.k_scale,
