@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import signal
@@ -65,6 +66,16 @@ class RemoteServer:
             if match:
                 values[match.group(1)] = values.get(match.group(1), 0.0) + float(match.group(2))
         return values
+
+    def finished_by_reason(self) -> collections.Counter:
+        """vllm:request_success_total per finished_reason (stop, length, abort)."""
+        counts: collections.Counter = collections.Counter()
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            match = re.match(r'vllm:request_success_total\{.*finished_reason="(\w+)".*\} '
+                             r'(\S+)$', line)
+            if match:
+                counts[match.group(1)] += float(match.group(2))
+        return counts
 
     def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
         """Wait until no request runs and every KV block is free again."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import socket
 import time
@@ -157,7 +158,7 @@ def test_32_concurrent_streams(server, model_dir, offline):
 
 
 def test_client_disconnects_free_blocks(server, model_dir):
-    before_success = server.metrics().get("vllm:request_success_total", 0)
+    before = server.finished_by_reason()
     body = {"model": model_dir, "prompt": PROMPTS[0], "max_tokens": 480, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
@@ -174,7 +175,9 @@ def test_client_disconnects_free_blocks(server, model_dir):
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.01)
     m = server.wait_idle()
-    assert m.get("vllm:request_success_total", 0) == before_success  # aborted, not finished
+    after = server.finished_by_reason()  # aborted, not finished: vLLM's "abort" reason
+    assert after["abort"] == before["abort"] + 2
+    assert +(after - before) == collections.Counter({"abort": 2})
     assert m["vllm:kv_cache_usage_perc"] == 0.0
     ok = httpx.post(f"{server.url}/v1/completions",
                     json={"model": model_dir, "prompt": "hi", "max_tokens": 3})

@@ -12,13 +12,14 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -196,6 +197,9 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
 
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
+# The chat page at / (--no-webui: none): plain files of the package, no build step
+WEBUI_DIR = Path(__file__).parent / "webui"
+_WEBUI_FILES = {"app.js": "text/javascript", "style.css": "text/css"}
 
 
 def build_app(engine: ServingEngine, served_model_name: str,
@@ -208,7 +212,8 @@ def build_app(engine: ServingEngine, served_model_name: str,
               tool_call_parser: str | None = None,
               enable_auto_tool_choice: bool = False,
               reasoning_parser: str | None = None,
-              responses_store: ResponseStore | None = None) -> FastAPI:
+              responses_store: ResponseStore | None = None,
+              webui: bool = True) -> FastAPI:
     """The FastAPI app; the caller starts and stops the engine (see ``lifespan``)."""
     model_config = engine.config.model
     max_model_len = model_config.max_model_len
@@ -281,8 +286,11 @@ def build_app(engine: ServingEngine, served_model_name: str,
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])
 
-    @app.get("/")
-    async def root() -> dict[str, Any]:
+    @app.get("/", response_model=None)
+    async def root(request: Request) -> dict[str, Any] | Response:
+        # a browser asks for HTML: the chat page; API clients get the JSON below
+        if webui and "text/html" in request.headers.get("accept", ""):
+            return FileResponse(WEBUI_DIR / "index.html", media_type="text/html")
         return {"name": "cpullm", "version": cpullm.__version__, "model": served_model_name,
                 "routes": {"docs": "/docs", "models": "/v1/models", "health": "/health",
                            "completions": "/v1/completions",
@@ -290,6 +298,13 @@ def build_app(engine: ServingEngine, served_model_name: str,
                            "responses": "/v1/responses", "messages": "/v1/messages",
                            "embeddings": "/v1/embeddings", "score": "/v1/score",
                            "rerank": "/v1/rerank", "metrics": "/metrics"}}
+
+    if webui:
+        @app.get("/webui/{name}", include_in_schema=False)
+        async def webui_file(name: str) -> Response:
+            if name not in _WEBUI_FILES:  # only the page's own files, by name
+                raise OpenAIError(f"No file /webui/{name}.", 404)
+            return FileResponse(WEBUI_DIR / name, media_type=_WEBUI_FILES[name])
 
     @app.get("/health")
     async def health() -> Response:
@@ -470,7 +485,8 @@ def run_server(args: argparse.Namespace) -> int:
                     enable_auto_tool_choice=args.enable_auto_tool_choice,
                     reasoning_parser=args.reasoning_parser,
                     responses_store=ResponseStore(args.responses_store_size,
-                                                  args.responses_store_ttl))
+                                                  args.responses_store_ttl),
+                    webui=args.webui)
     logger.info("Engine ready in %.1f s; serving %s on http://%s:%d", time.perf_counter() - start,
                 served_name, args.host, args.port)
     # uvicorn shuts down gracefully on SIGTERM and SIGINT, then re-raises the signal to the

@@ -79,6 +79,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
                         help="keep the model's <think> reasoning apart from its answer, in "
                              "reasoning_content")
+    parser.add_argument("--webui", action=argparse.BooleanOptionalAction, default=True,
+                        help="serve the chat page at / to browsers (--no-webui: API clients "
+                             "and browsers alike get the JSON of the routes)")
     parser.add_argument("--responses-store-size", type=int, default=1000,
                         help="/v1/responses kept in memory for previous_response_id and GET "
                              "(the oldest go first; 0: none kept)")

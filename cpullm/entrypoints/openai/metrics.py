@@ -118,6 +118,10 @@ class RequestMetrics:
         child["request_prompt_tokens"].observe(num_prompt_tokens)
         self._success.labels(*self._labels, "stop").inc()
 
+    def record_aborted(self) -> None:
+        """A request its client left (or stopped) before it finished: vLLM's "abort"."""
+        self._success.labels(*self._labels, "abort").inc()
+
     def record_finished(self, output: RequestOutput, params: SamplingParams,
                         num_prompt_tokens: int, num_generated: int, e2e_seconds: float) -> None:
         child = self._child

@@ -212,6 +212,7 @@ class ServingBase:
         num_tokens = 0
         streaming = getattr(params, "output_kind", None) == RequestOutputKind.DELTA
         stream = self.engine.generate(request_id, token_ids, params, cache_salt)
+        finished = False
         try:
             async for output in stream:
                 if not record:
@@ -238,6 +239,7 @@ class ServingBase:
                         output.metrics["first_token_time"] - output.metrics["arrival_time"])
                 num_tokens += new_tokens
                 if output.finished:
+                    finished = True
                     metrics.record_finished(output, params, len(token_ids), num_tokens,
                                             now - start)
                 yield output
@@ -247,6 +249,11 @@ class ServingBase:
             raise OpenAIError(str(e), 503, headers={"Retry-After": "1"}) from None
         except (EngineDeadError, RequestFailedError) as e:
             raise OpenAIError(str(e), 500) from None
+        except (GeneratorExit, asyncio.CancelledError):
+            # the client went away (or pressed stop): the engine aborts the request
+            if record and not finished and isinstance(params, SamplingParams):
+                self.metrics.for_engine(self.engine.replica_of(request_id)).record_aborted()
+            raise
         finally:
             await stream.aclose()
 
