@@ -195,40 +195,43 @@ def test_a_phone_screen(browser, server):
         browser.set_window_size(1100, 850)
 
 
-def test_the_page_asks_for_the_api_key(browser, tiny_model):
+@pytest.fixture(scope="module")
+def keyed_server(tiny_model):
     from server_utils import RemoteServer
 
     srv = RemoteServer([str(tiny_model("llama")), "--max-model-len", "256", "--api-key",
                         "page-key"])
-    try:
-        browser.get(srv.url + "/")
-        info = browser.find_element("id", "model-info")
-        wait_for(lambda: "needs an API key" in info.text, what="the key request")
-        assert browser.find_element("id", "settings").is_displayed()
-        set_field(browser, "api-key", "page-key")
-        wait_for(lambda: "context 256" in info.text, what="the model, with the key")
-        browser.execute_script("localStorage.clear()")
-    finally:
-        srv.stop()
+    yield srv
+    srv.stop()
 
 
-def test_api_clients_and_no_webui_get_json(tiny_model):
+def test_the_page_asks_for_the_api_key(browser, keyed_server):
+    browser.get(keyed_server.url + "/")
+    info = browser.find_element("id", "model-info")
+    wait_for(lambda: "needs an API key" in info.text, what="the key request")
+    assert browser.find_element("id", "settings").is_displayed()
+    set_field(browser, "api-key", "page-key")
+    wait_for(lambda: "context 256" in info.text, what="the model, with the key")
+
+
+HTML = {"Accept": "text/html,application/xhtml+xml"}
+
+
+def test_api_clients_get_json_and_the_page_its_files(keyed_server):
+    url = keyed_server.url
+    assert httpx.get(url + "/").json()["routes"]["messages"] == "/v1/messages"
+    assert httpx.get(url + "/", headers=HTML).headers["content-type"].startswith("text/html")
+    for name in ("app.js", "style.css"):  # open, as / is: the key guards the API only
+        assert httpx.get(f"{url}/webui/{name}").status_code == 200
+    assert httpx.get(f"{url}/webui/..%2fapi_server.py").status_code == 404
+
+
+def test_no_webui_answers_json(tiny_model):
     from server_utils import RemoteServer
 
-    html = {"Accept": "text/html,application/xhtml+xml"}
-    srv = RemoteServer([str(tiny_model("llama")), "--max-model-len", "256"])
-    try:
-        assert httpx.get(srv.url + "/").json()["routes"]["messages"] == "/v1/messages"
-        page = httpx.get(srv.url + "/", headers=html)
-        assert page.headers["content-type"].startswith("text/html")
-        for name in ("app.js", "style.css"):
-            assert httpx.get(f"{srv.url}/webui/{name}").status_code == 200
-        assert httpx.get(f"{srv.url}/webui/..%2fapi_server.py").status_code == 404
-    finally:
-        srv.stop()
     srv = RemoteServer([str(tiny_model("llama")), "--max-model-len", "256", "--no-webui"])
     try:
-        assert httpx.get(srv.url + "/", headers=html).json()["name"] == "cpullm"
+        assert httpx.get(srv.url + "/", headers=HTML).json()["name"] == "cpullm"
         assert httpx.get(f"{srv.url}/webui/app.js").status_code == 404
     finally:
         srv.stop()
