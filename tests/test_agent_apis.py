@@ -150,6 +150,22 @@ def test_streamed_function_call_arguments_come_in_fragments(openai_client):
     jsonschema.validate(json.loads(done[0].arguments), WEATHER)
 
 
+def test_prompt_tokens_from_the_prefix_cache_are_reported(openai_client, anthropic_client):
+    """A prompt asked twice: the second time its whole 128-token blocks come from the
+    prefix cache, as both APIs' usage says."""
+    system = "You answer questions about the weather, briefly and politely. " * 30
+    for _ in range(2):
+        response = openai_client.responses.create(model="default", instructions=system,
+                                                  input=ASK, max_output_tokens=2)
+        message = anthropic_client.messages.create(
+            model="default", system=system, max_tokens=2,
+            messages=[{"role": "user", "content": ASK}])
+    for cached, total in ((response.usage.input_tokens_details.cached_tokens,
+                           response.usage.input_tokens),
+                          (message.usage.cache_read_input_tokens, message.usage.input_tokens)):
+        assert total > 256 and cached == (total - 1) // 128 * 128
+
+
 def test_stored_responses_can_be_read_and_deleted(openai_client):
     import openai
 

@@ -82,6 +82,7 @@ class AnswerPiece:
     content: str
     calls: list[dict[str, Any]]  # OpenAI's tool-call deltas
     called: bool  # the answer so far was sent as tool calls
+    cached_tokens: int  # prompt tokens found in the prefix cache
 
     @property
     def final(self) -> bool:
@@ -255,7 +256,8 @@ class ServingChat(ServingBase):
             output_tokens += len(completion.token_ids)
             thought, content, calls = answer.feed(completion.text,
                                                   completion.finish_reason is not None)
-            yield AnswerPiece(completion, output_tokens, thought, content, calls, answer.called)
+            yield AnswerPiece(completion, output_tokens, thought, content, calls, answer.called,
+                              output.num_cached_tokens)
 
     async def create(self, request: ChatCompletionRequest
                      ) -> dict[str, Any] | AsyncIterator[str]:

@@ -264,8 +264,10 @@ class ServingMessages:
                             "name": call["function"]["name"],
                             "input": json.loads(call["function"]["arguments"])})
         reason, sequence = stop_reason(completion, called)
-        return {**self._message(message_id, len(turn.token_ids), len(completion.token_ids)),
-                "content": content, "stop_reason": reason, "stop_sequence": sequence}
+        message_body = self._message(message_id, len(turn.token_ids), len(completion.token_ids))
+        message_body["usage"]["cache_read_input_tokens"] = final.num_cached_tokens
+        return {**message_body, "content": content, "stop_reason": reason,
+                "stop_sequence": sequence}
 
     def _message(self, message_id: str, input_tokens: int, output_tokens: int
                  ) -> dict[str, Any]:
@@ -297,7 +299,8 @@ class ServingMessages:
                     yield _event("message_delta", {
                         "type": "message_delta",
                         "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                        "usage": {"output_tokens": piece.output_tokens}})
+                        "usage": {"output_tokens": piece.output_tokens,
+                                  "cache_read_input_tokens": piece.cached_tokens}})
                     yield _event("message_stop", {"type": "message_stop"})
         except OpenAIError as e:
             yield _event("error", anthropic_error(e.status, e.message))

@@ -282,7 +282,7 @@ class ServingResponses:
             items.call({"index": 0, **call})
         items.close()
         self._finish(response, items.done, completion.finish_reason, len(turn.token_ids),
-                     len(completion.token_ids))
+                     len(completion.token_ids), final.num_cached_tokens)
         if request.store:
             self.store.put(response, history + output_messages(response["output"]))
         return response
@@ -309,12 +309,14 @@ class ServingResponses:
 
     @staticmethod
     def _finish(response: dict[str, Any], output: list[dict[str, Any]],
-                finish_reason: str | None, input_tokens: int, output_tokens: int) -> None:
+                finish_reason: str | None, input_tokens: int, output_tokens: int,
+                cached_tokens: int) -> None:
         incomplete = finish_reason == "length"
         response.update(
             status="incomplete" if incomplete else "completed", output=output,
             incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
-            usage={"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
+            usage={"input_tokens": input_tokens,
+                   "input_tokens_details": {"cached_tokens": cached_tokens},
                    "output_tokens": output_tokens,
                    "output_tokens_details": {"reasoning_tokens": 0},
                    "total_tokens": input_tokens + output_tokens})
@@ -351,7 +353,7 @@ class ServingResponses:
                     yield event(kind, **data)
                 if piece.final:
                     self._finish(response, items.done, piece.completion.finish_reason,
-                                 num_prompt, piece.output_tokens)
+                                 num_prompt, piece.output_tokens, piece.cached_tokens)
                     if request.store:
                         self.store.put(response, history + output_messages(response["output"]))
                     # completed, whatever the status (as vLLM does): the clients' stream
