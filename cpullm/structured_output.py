@@ -21,6 +21,7 @@ import concurrent.futures
 import functools
 import json
 import threading
+import time
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -32,6 +33,8 @@ _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 _NARROW_MASK = 8
 # Grammars whose compiled matcher the model runner keeps, to copy for the next request
 _KEPT_GRAMMARS = 256
+# A grammar still compiling after this many seconds fails its request (vLLM's default)
+GRAMMAR_COMPILE_TIMEOUT = 30.0
 # The whitespace JSON may hold between two of its tokens: a run of spaces and tabs, or one
 # line break with indentation on either side. Any pretty-printed JSON fits; a sampled model
 # cannot spend its tokens on blank lines (unbounded whitespace lets a small model at
@@ -267,6 +270,12 @@ class GuidedDecoding:
         self._loading: concurrent.futures.Future[Any] | None = None
         self._templates: dict[str, Any] = {}  # grammar -> its matcher at the start, kept
         self._starting = threading.Lock()  # compute lanes may ask for the vocabulary at once
+        # grammars compiling off the engine step (``ready``): grammar -> (its compile,
+        # when it began)
+        self._compiling: dict[str, tuple[concurrent.futures.Future[Any], float]] = {}
+        self._compiler: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self.compile_timeout = GRAMMAR_COMPILE_TIMEOUT
 
     def warm(self) -> None:
         """Read the vocabulary (0.6-1 s) in a thread now, while the engine starts, not in
@@ -294,19 +303,59 @@ class GuidedDecoding:
                 self._load()
         return self._loading.result()
 
-    def _new_matcher(self, grammar: str) -> Any:
-        """A matcher at the start of ``grammar``: a copy of the one compiled for it before
-        (~20 us), else compiled (0.3-4 ms) and kept for the next request that asks."""
+    def ready(self, params: Any) -> bool:
+        """Whether a request can be scheduled: it follows no grammar, or its grammar is
+        compiled (or failed, or ran past ``compile_timeout``: its first step fails it).
+        The first ask starts the compile on a thread of its own, so that the scheduler
+        holds the request back instead of a step waiting 0.3-5 ms for it (llguidance lets
+        go of the GIL while it compiles)."""
+        guided = getattr(params, "structured_outputs", None)
+        if guided is None:
+            return True
+        grammar = grammar_of(guided)
+        with self._lock:
+            if grammar in self._templates:
+                return True
+            if grammar not in self._compiling:
+                if self._compiler is None:
+                    self._compiler = concurrent.futures.ThreadPoolExecutor(
+                        1, thread_name_prefix="grammar-compile")
+                self._compiling[grammar] = (self._compiler.submit(self._compile, grammar),
+                                            time.monotonic())
+                # (the grammars of requests aborted while they waited: the oldest go)
+                while len(self._compiling) > _KEPT_GRAMMARS:
+                    self._compiling.pop(next(iter(self._compiling)))
+                return False
+            compile_, began = self._compiling[grammar]
+        return compile_.done() or time.monotonic() - began > self.compile_timeout
+
+    def _compile(self, grammar: str) -> Any:
         import llguidance
 
-        template = self._templates.pop(grammar, None)
+        template = llguidance.LLMatcher(self._tokenizer, grammar)
+        if template.is_error():
+            raise ValueError(template.get_error())
+        return template
+
+    def _new_matcher(self, grammar: str) -> Any:
+        """A matcher at the start of ``grammar``: a copy of the one compiled for it before
+        (~20 us), or of the one ``ready`` compiled, else compiled here (0.3-5 ms; a model
+        runner of several ranks, whose scheduler does not ask) and kept for the next
+        request that asks."""
+        with self._lock:
+            template = self._templates.pop(grammar, None)
+            compiling = self._compiling.pop(grammar, None) if template is None else None
+        if compiling is not None:
+            compile_, _ = compiling
+            if not compile_.done():  # (left to finish unheard)
+                raise ValueError(f"it took longer than {self.compile_timeout:g} s to compile")
+            template = compile_.result()  # (raises what the compile raised)
         if template is None:
-            template = llguidance.LLMatcher(self._tokenizer, grammar)
-            if template.is_error():
-                raise ValueError(template.get_error())
-        self._templates[grammar] = template  # the most recent last
-        while len(self._templates) > _KEPT_GRAMMARS:
-            self._templates.pop(next(iter(self._templates)))
+            template = self._compile(grammar)
+        with self._lock:
+            self._templates[grammar] = template  # the most recent last
+            while len(self._templates) > _KEPT_GRAMMARS:
+                self._templates.pop(next(iter(self._templates)))
         return template.deep_copy()
 
     def drop(self, request_id: str) -> None:

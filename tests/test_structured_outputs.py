@@ -198,6 +198,59 @@ def test_text_no_token_can_write_fails_the_request_when_the_grammar_reaches_it(l
     assert allowed[0].nonzero().flatten().tolist() == tokenizer.convert_tokens_to_ids(["c"])
 
 
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model):
+    return LLM(str(tiny_model("llama")), dtype="float32", max_model_len=256,
+               kv_cache_memory_bytes=1 << 24).llm_engine
+
+
+def _waiting(engine) -> set[str]:
+    return {request.request_id for request in engine.scheduler.waiting}
+
+
+def test_a_new_grammar_compiles_off_the_step(tiny_engine):
+    """A request with a grammar not seen before waits, while its grammar compiles on a
+    thread of its own, and the running requests' steps go on without it."""
+    engine = tiny_engine
+    free = engine.add_request(None, [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    guided = engine.add_request(None, [4, 5, 6], SamplingParams(
+        max_tokens=8, structured_outputs=StructuredOutputsParams(
+            json={"enum": ["compiled", "aside"]})))
+    engine.step()
+    assert guided in _waiting(engine) and free not in _waiting(engine)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs[output.request_id] = output
+        assert not engine.failed
+    assert json.loads(outputs[guided].outputs[0].text) in ("compiled", "aside")
+    assert len(outputs[free].outputs[0].token_ids) == 8
+
+
+def test_a_grammar_past_its_compile_time_fails_its_request(tiny_engine):
+    import concurrent.futures
+    import threading
+
+    engine = tiny_engine
+    decoding = engine.model_runner.sampler.guided
+    held = threading.Event()  # the compile thread, busy until the request has failed
+    decoding.compile_timeout = 0.0
+    decoding._compiler = concurrent.futures.ThreadPoolExecutor(1)
+    decoding._compiler.submit(held.wait)
+    try:
+        late = engine.add_request(None, [7, 8, 9], SamplingParams(
+            max_tokens=4, structured_outputs=StructuredOutputsParams(regex="late|slow")))
+        failed = {}
+        while engine.has_unfinished_requests():
+            engine.step()
+            failed.update(engine.failed)
+        assert "took longer than 0 s to compile" in str(failed[late])
+    finally:
+        held.set()
+        decoding.compile_timeout = 30.0
+
+
 def _writes(tokenizer, params: StructuredOutputsParams, text: str) -> bool:
     """Whether the grammar lets the tokens of this text be written, whole."""
     import llguidance

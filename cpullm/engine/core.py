@@ -29,6 +29,7 @@ from cpullm.sampling_params import SamplingParams
 from cpullm.spec_decode.draft import DraftProposer
 from cpullm.spec_decode.policy import probe_step
 from cpullm.utils import cdiv
+from cpullm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
 
@@ -99,6 +100,9 @@ class EngineCore:
         torch.manual_seed(config.model.seed)
         self.scheduler = Scheduler(config.scheduler, config.cache)
         self.executor: Executor = create_executor(config, eos_token_ids)
+        runner = getattr(self.executor, "model_runner", None)
+        if isinstance(runner, ModelRunner):  # here, in this process: grammars compile aside
+            self.scheduler.grammar_ready = runner.sampler.guided.ready
         draft = None
         if config.draft is not None:
             draft = self.scheduler.proposer = DraftProposer(config.draft, eos_token_ids)

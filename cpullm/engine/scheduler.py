@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from typing import Any
 
 from cpullm.config import CacheConfig, SchedulerConfig
 from cpullm.engine.kv_cache_manager import KVCacheManager
@@ -61,6 +62,11 @@ class Scheduler:
         # engine core, which runs it
         self.proposer: Proposer | None = NgramProposer(speculative) \
             if speculative is not None and speculative.method == "ngram" else None
+
+    # Whether a waiting request's grammar is compiled (the model runner's
+    # GuidedDecoding.ready, where it runs in this process); one that is not yet waits
+    # while the requests behind it go ahead
+    grammar_ready: Callable[[Any], bool] | None = None
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -108,10 +114,16 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        # 2. Waiting requests in order, unless this step already had to preempt.
+        # 2. Waiting requests in order, unless this step already had to preempt; those
+        # whose grammar is still compiling are held back, in their places.
+        held: list[Request] = []
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs and len(scheduled) < max_seqs):
             request = self.waiting[0]
+            if self.grammar_ready is not None and request.status == RequestStatus.WAITING \
+                    and not self.grammar_ready(request.sampling_params):
+                held.append(self.waiting.popleft())
+                continue
             if self.config.whole_inputs:  # an encoder's input: whole, with no KV blocks
                 num_cached, num_new = 0, request.num_tokens
                 if num_new > budget:
@@ -133,6 +145,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new, []))
             budget -= num_new
+        self.waiting.extendleft(reversed(held))
 
         new_requests = [NewRequestData(request.request_id, request.prompt_token_ids,
                                        request.sampling_params)
