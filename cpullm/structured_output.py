@@ -292,8 +292,12 @@ class GuidedDecoding:
         assert self._loading is not None
         try:
             self._loading.set_result(llg_tokenizer(self._load_tokenizer()))
+            # the masks' module too: importing it compiles a torch function (~1.5 s on
+            # two cores), which the first guided request's step would otherwise wait for
+            import llguidance.torch  # noqa: F401
         except Exception as e:  # (raised again where the vocabulary is needed)
-            self._loading.set_exception(e)
+            if not self._loading.done():
+                self._loading.set_exception(e)
 
     @property
     def _tokenizer(self) -> Any:
