@@ -27,10 +27,15 @@ class RemoteServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.started = time.monotonic()
+        env = {**os.environ, **(env or {})}
+        if (not args or args[0].startswith("-")) and "--kv-cache-memory-bytes" not in args:
+            # The default model's default KV cache is vLLM CPU's 4 GiB, faulted in at startup:
+            # 4-6 s on a VM. 1 GiB holds what any test sends it.
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cpullm.entrypoints.cli", "serve", *args,
              "--port", str(self.port), "--uvicorn-log-level", "warning"],
-            env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+            env=env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True)
         # Drained all along, so the server never blocks on a full pipe; read with log().
         self._lines: list[str] = []

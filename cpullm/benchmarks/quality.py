@@ -210,6 +210,10 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
         top_k = reference.top_ids.shape[-1]  # the candidate's as many as the reference's
     if top_k < 1:
         raise ValueError("--top-k must be at least 1")
+    if engine_args.max_num_seqs is None:
+        # every window runs at once: the default KV cache then holds them, not 4 GiB
+        engine_args.max_num_seqs = args.windows if reference is None \
+            else len(reference.token_ids)
     if engine_args.max_logprobs != -1:  # room for the top k of every position
         engine_args.max_logprobs = max(engine_args.max_logprobs, top_k)
     candidate_llm = LLM.from_engine_args(engine_args)
