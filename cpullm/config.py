@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from cpullm.lora.request import LoRAConfig
 from cpullm.model_executor.layers.pooler import PoolerConfig
 from cpullm.platform.binding import BindingPlan
 from cpullm.platform.topology import CpuTopology
@@ -67,6 +68,7 @@ class ModelConfig:
     # fp8: each layer's K and V scales from its first prompt's keys and values (vLLM's
     # --calculate-kv-scales), else 1.0
     calculate_kv_scales: bool = False
+    lora: LoRAConfig | None = None  # --enable-lora's limits; None: no adapters
 
     @property
     def is_pooling(self) -> bool:

@@ -23,6 +23,7 @@ from cpullm.config import (
 )
 from cpullm.engine.kv_cache_manager import PREFIX_CACHING_HASH_ALGOS
 from cpullm.logger import init_logger
+from cpullm.lora.request import LoRAConfig
 from cpullm.model_executor.layers.pooler import PoolerConfig, sentence_transformers_pooling
 from cpullm.model_executor.layers.quantization import (
     QUANTIZATION_METHODS,
@@ -102,6 +103,11 @@ class EngineArgs:
     override_pooler_config: str | dict[str, object] | None = None
     # speculative decoding (JSON or a dict, vLLM's keys: config.SpeculativeConfig)
     speculative_config: str | dict[str, object] | None = None
+    # LoRA adapters (vLLM's flags): their slots in a step, largest rank, adapters kept read
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # one rank's budgets for the job (OFFLINE_DEFAULTS, SERVE_DEFAULTS, CHAT_DEFAULTS)
     scheduling_defaults: dict[str, int] = dataclasses.field(
         default_factory=lambda: dict(OFFLINE_DEFAULTS))
@@ -245,6 +251,18 @@ class EngineArgs:
                             '\'{"method": "draft_model", "model": PATH, '
                             '"num_speculative_tokens": 4}\' (see '
                             "docs/speculative-decoding.md); unset: none")
+        parser.add_argument("--enable-lora", action=argparse.BooleanOptionalAction,
+                            default=d.enable_lora,
+                            help="serve LoRA adapters on the base model (--lora-modules, or "
+                            "a LoRARequest offline; docs/lora.md)")
+        parser.add_argument("--max-loras", type=int, default=d.max_loras,
+                            help="adapters whose requests run at once (slots of the stacked "
+                            "adapter weights)")
+        parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                            help="the largest adapter rank (1, 8, 16, 32, 64, 128, 256, 320 "
+                            "or 512)")
+        parser.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras,
+                            help="adapters kept read in memory (unset: --max-loras)")
         parser.add_argument("--load-format", default=d.load_format, choices=list(LOAD_FORMATS),
                             help="what weights to load: auto (safetensors or GGUF; a folder "
                             "of PyTorch pickle files is refused), safetensors, gguf, or pt "
@@ -322,7 +340,7 @@ class EngineArgs:
             pooler_config=pooler_config, lm_head_quantization=self.lm_head_quantization,
             max_logprobs=self.max_logprobs,
             kv_cache_dtype=self._kv_cache_dtype(dtype, encoder),
-            calculate_kv_scales=self.calculate_kv_scales)
+            calculate_kv_scales=self.calculate_kv_scales, lora=self._lora_config(task))
         model_config = resolve_model_config(model_config)
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs: must be -1 (the whole vocabulary) or at least 0, "
@@ -341,6 +359,9 @@ class EngineArgs:
             master_port=self.master_port or (_MASTER_PORT if self.nnodes > 1 else 0),
             nnodes=self.nnodes, node_rank=self.node_rank)
         model_config.check_parallel(sizes)
+        if self.enable_lora and sizes.world_size > 1:
+            raise ValueError("--enable-lora with tensor or pipeline parallelism is not "
+                             "supported yet (--data-parallel-size is)")
         if encoder and sizes.world_size > 1:
             raise ValueError("tensor and pipeline parallelism are for generative models; an "
                              "encoder runs on one rank (use --data-parallel-size for more "
@@ -381,6 +402,14 @@ class EngineArgs:
                                                                           speculative.model))
         return config
 
+    def _lora_config(self, task: str) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        if task != "generate":
+            raise ValueError(f"--enable-lora: a pooling model (--task {task}) takes no "
+                             "adapters")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+
     def _draft_config(self, target: EngineConfig, model: str) -> EngineConfig:
         """The draft model's engine: the target's dtype, context, budgets and CPUs, and KV
         room for as many tokens as the target's cache holds."""
@@ -393,6 +422,7 @@ class EngineArgs:
             self, model=model, tokenizer=None, speculative_config=None, chat_template=None,
             served_model_name=None, quantization=None, lm_head_quantization=None,
             max_model_len=target.model.max_model_len, enable_prefix_caching=False,
+            enable_lora=False,
             task="generate", runner="auto", convert="auto", override_pooler_config=None,
             kv_cache_memory_bytes=tokens * target.model.kv_bytes_per_token(),
             max_num_seqs=target.scheduler.max_num_seqs,

@@ -56,6 +56,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_LOGGING_LEVEL": lambda: os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
     # Bearer key the OpenAI server requires when --api-key is not given.
     "VLLM_API_KEY": lambda: os.environ.get("VLLM_API_KEY"),
+    # Whether the server has /v1/load_lora_adapter and /v1/unload_lora_adapter (true or 1).
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": lambda: os.environ.get(
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
     # Whether the engine core runs in a process of its own: 0 keeps it in the calling process
     # (the server then steps it on a thread), 1 moves it out (also under LLM()). Unset
     # (None): the server moves it out, LLM() keeps it.

@@ -23,6 +23,7 @@ from cpullm.engine.sched_output import LogprobsLists, SchedulerOutput
 from cpullm.engine.scheduler import Scheduler
 from cpullm.executor import Executor, create_executor
 from cpullm.logger import init_logger
+from cpullm.lora.request import LoRARequest
 from cpullm.platform.memory import read_bandwidth
 from cpullm.pooling_params import PoolingParams
 from cpullm.sampling_params import SamplingParams
@@ -50,6 +51,7 @@ class EngineCoreRequest:
     params: SamplingParams | PoolingParams
     arrival_time: float  # time.monotonic() when the front end received it
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 @dataclass(slots=True)
@@ -103,6 +105,9 @@ class EngineCore:
         runner = getattr(self.executor, "model_runner", None)
         if isinstance(runner, ModelRunner):  # here, in this process: grammars compile aside
             self.scheduler.grammar_ready = runner.sampler.guided.ready
+        self.lora = runner.lora if isinstance(runner, ModelRunner) else None
+        if self.lora is not None:
+            self.scheduler.max_loras = self.lora.config.max_loras
         draft = None
         if config.draft is not None:
             draft = self.scheduler.proposer = DraftProposer(config.draft, eos_token_ids)
@@ -128,9 +133,15 @@ class EngineCore:
         self.last_step_num_tokens = 0  # prompt and output tokens computed by the last step
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        lora_id, lora_key = 0, None
+        if request.lora is not None:  # (ValueError: the request is refused)
+            if self.lora is None:
+                raise ValueError(f"LoRA adapter {request.lora.lora_name!r}: the engine runs "
+                                 "without --enable-lora")
+            lora_id, lora_key = request.lora.lora_int_id, self.lora.add(request.lora)
         sequence = Request(request.request_id, request.prompt_token_ids, request.params,
                            self.eos_token_ids, self.config.model.max_model_len,
-                           request.cache_salt)
+                           request.cache_salt, lora_id, lora_key)
         sequence.arrival_time = request.arrival_time
         self.scheduler.add_request(sequence)
 

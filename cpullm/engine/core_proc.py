@@ -41,6 +41,7 @@ from cpullm.config import EngineConfig
 from cpullm.engine.core import EngineCore, EngineCoreOutput, EngineCoreRequest, EngineStats
 from cpullm.engine.sched_output import LogprobsLists
 from cpullm.logger import init_logger
+from cpullm.lora.request import LoRARequest
 from cpullm.pooling_params import PoolingParams
 from cpullm.sampling_params import RequestOutputKind, SamplingParams
 from cpullm.utils import die_with_parent
@@ -64,18 +65,20 @@ def unpack(data: bytes) -> list[Any]:
 def encode_request(request: EngineCoreRequest) -> list[Any]:
     if isinstance(request.params, PoolingParams):  # a dict: a pooling request's
         return [request.request_id, request.prompt_token_ids,
-                dataclasses.asdict(request.params), request.arrival_time, request.cache_salt]
+                dataclasses.asdict(request.params), request.arrival_time, request.cache_salt,
+                None]
     params = [getattr(request.params, name) for name in _PARAM_FIELDS]
     params[_PARAM_FIELDS.index("output_kind")] = request.params.output_kind.value
     guided = request.params.structured_outputs
     params[_PARAM_FIELDS.index("structured_outputs")] = (
         None if guided is None else dataclasses.asdict(guided))
+    lora = request.lora
     return [request.request_id, request.prompt_token_ids, params, request.arrival_time,
-            request.cache_salt]
+            request.cache_salt, None if lora is None else dataclasses.astuple(lora)]
 
 
 def decode_request(data: list[Any]) -> EngineCoreRequest:
-    request_id, prompt_token_ids, values, arrival_time, cache_salt = data
+    request_id, prompt_token_ids, values, arrival_time, cache_salt, lora = data
     if isinstance(values, dict):
         return EngineCoreRequest(request_id, prompt_token_ids, PoolingParams(**values),
                                  arrival_time, cache_salt)
@@ -83,7 +86,8 @@ def decode_request(data: list[Any]) -> EngineCoreRequest:
     # (structured_outputs travels as a dict, which SamplingParams turns back into its params)
     fields["output_kind"] = RequestOutputKind(fields["output_kind"])
     return EngineCoreRequest(request_id, prompt_token_ids, SamplingParams(**fields),
-                             arrival_time, cache_salt)
+                             arrival_time, cache_salt,
+                             None if lora is None else LoRARequest(*lora))
 
 
 def _encode_rows(rows: LogprobsLists | None) -> list[Any] | None:

@@ -2,10 +2,12 @@
 
 The cache tensors live in the worker; this module only decides which block ids a request
 owns. A full block is identified by a SHA-256 digest of (its parent block's digest, its
-token ids), the first block's also of the request's cache salt, so equal prefixes give
+token ids), the first block's also of the request's cache salt and LoRA adapter, so equal
+prefixes give
 equal chains and a hit hands out the KV of exactly those tokens (Python's ``hash`` of the
 same tuple, which an attacker can make collide, once found blocks by it). Requests with
-different salts never share a block; requests without one share among themselves. A
+different salts (or adapters) never share a block; requests without one share among
+themselves. A
 block's digest is registered only once its KV has been computed, and a freed block stays
 findable until it is handed out again (LRU).
 
@@ -109,7 +111,8 @@ class KVCacheManager:
         tokens = request.all_token_ids
         for i in range(len(hashes), num_tokens // size):
             hashes.append(block_digest(hashes[-1] if hashes else None,
-                                       tokens[i * size:(i + 1) * size], request.cache_salt))
+                                       tokens[i * size:(i + 1) * size], request.cache_salt,
+                                       request.lora_key))
 
     def find_cached_prefix(self, request: Request) -> list[list[int]]:
         """Per group, the blocks already holding a prefix of the request's tokens (the same
@@ -226,14 +229,18 @@ class KVCacheManager:
 PREFIX_CACHING_HASH_ALGOS = ("sha256",)  # --prefix-caching-hash-algo
 
 
-def block_digest(parent: bytes | None, token_ids: list[int], cache_salt: str | None) -> bytes:
+def block_digest(parent: bytes | None, token_ids: list[int], cache_salt: str | None,
+                 lora_key: str | None = None) -> bytes:
     """The SHA-256 digest naming a full block: its parent's digest (none for the first
-    block, which takes the salt instead, length-prefixed) and its token ids (int32)."""
+    block, which takes the salt instead, length-prefixed, and the digest of the adapter's
+    files) and its token ids (int32)."""
     h = hashlib.sha256()
     if parent is None:
         salt = (cache_salt or "").encode()
         h.update(b"\x00" if cache_salt is None else b"\x01" + len(salt).to_bytes(4, "little")
                  + salt)
+        if lora_key is not None:
+            h.update(b"\x02" + lora_key.encode())
     else:
         h.update(parent)
     h.update(array("i", token_ids).tobytes())

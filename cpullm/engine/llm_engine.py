@@ -20,6 +20,7 @@ from cpullm.engine.request import RequestStatus
 from cpullm.engine_args import EngineArgs
 from cpullm.executor import UniProcExecutor
 from cpullm.logger import init_logger
+from cpullm.lora.request import LoRARequest
 from cpullm.outputs import PoolingRequestOutput, RequestOutput
 from cpullm.pooling_params import PoolingParams
 from cpullm.sampling_params import SamplingParams
@@ -109,6 +110,15 @@ class Frontend:
             messages, chat_template=chat_template, tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message, **template_kwargs)
+
+    def check_lora(self, lora: LoRARequest | None) -> None:
+        if lora is None:
+            return
+        if not isinstance(lora, LoRARequest):
+            raise TypeError(f"lora_request: expected a LoRARequest, got {type(lora).__name__}")
+        if self.config.model.lora is None:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r}: the engine runs without "
+                             "LoRA (enable_lora=True, or --enable-lora)")
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check without the model: token ids in its vocabulary.
@@ -248,8 +258,10 @@ class LLMEngine:
         return self.frontend.apply_chat_template(messages, *args, **kwargs)
 
     def add_request(self, request_id: str | None, prompt: Prompt,
-                    params: SamplingParams | PoolingParams) -> str:
-        """Queue a request; returns its id. Bad prompts raise ValueError."""
+                    params: SamplingParams | PoolingParams,
+                    lora_request: LoRARequest | None = None) -> str:
+        """Queue a request (with a LoRA adapter); returns its id. Bad prompts and
+        adapters raise ValueError."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         text, token_ids = self.frontend.tokenize_prompt(prompt)
         if isinstance(params, PoolingParams):
@@ -258,8 +270,14 @@ class LLMEngine:
             self.frontend.check_prompt(token_ids)
             self.frontend.check_params(params)
         salt = self.frontend.cache_salt(prompt)
-        for sequence in self.processor.add_request(request_id, text, token_ids, params, salt):
-            self.core.add_request(sequence)
+        self.frontend.check_lora(lora_request)
+        for sequence in self.processor.add_request(request_id, text, token_ids, params, salt,
+                                                   lora_request):
+            try:
+                self.core.add_request(sequence)
+            except ValueError:  # (an in-process core reads the adapter here)
+                self.core.finish_requests(self.processor.abort_request(request_id))
+                raise
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> None:

@@ -37,11 +37,13 @@ class Request:
                  "max_model_len", "arrival_time", "output_token_ids", "all_token_ids",
                  "num_computed_tokens", "block_tables", "block_hashes", "long_rope", "status",
                  "stop_reason", "num_cached_tokens", "scheduled_time", "first_token_time",
-                 "last_token_time", "cache_salt", "num_tokens_sent", "num_blocks_sent")
+                 "last_token_time", "cache_salt", "num_tokens_sent", "num_blocks_sent",
+                 "lora_id", "lora_key")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_ids: set[int],
-                 max_model_len: int, cache_salt: str | None = None) -> None:
+                 max_model_len: int, cache_salt: str | None = None, lora_id: int = 0,
+                 lora_key: str | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
@@ -71,6 +73,10 @@ class Request:
         # Chained digests of the full blocks of all_token_ids, for prefix caching; the first
         # is also of the salt, so that requests with different salts never share blocks.
         self.cache_salt = cache_salt
+        # its LoRA adapter's id (0: the base model) and the digest of the adapter's files,
+        # which its blocks' digests take as they take the salt
+        self.lora_id = lora_id
+        self.lora_key = lora_key
         self.block_hashes: list[bytes] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -28,6 +28,7 @@ class NewRequestData:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams | PoolingParams  # PoolingParams: a pooling request
+    lora_id: int = 0  # its LoRA adapter (0: the base model)
 
 
 @dataclass(slots=True)

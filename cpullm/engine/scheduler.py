@@ -67,6 +67,8 @@ class Scheduler:
     # GuidedDecoding.ready, where it runs in this process); one that is not yet waits
     # while the requests behind it go ahead
     grammar_ready: Callable[[Any], bool] | None = None
+    # --max-loras: the most LoRA adapters whose requests run at once
+    max_loras = 0
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -117,12 +119,17 @@ class Scheduler:
         # 2. Waiting requests in order, unless this step already had to preempt; those
         # whose grammar is still compiling are held back, in their places.
         held: list[Request] = []
+        adapters = self._running_adapters()
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs and len(scheduled) < max_seqs):
             request = self.waiting[0]
             if self.grammar_ready is not None and request.status == RequestStatus.WAITING \
                     and not self.grammar_ready(request.sampling_params):
                 held.append(self.waiting.popleft())
+                continue
+            if request.lora_id and request.lora_id not in adapters \
+                    and len(adapters) >= self.max_loras:
+                held.append(self.waiting.popleft())  # until an adapter's requests are done
                 continue
             if self.config.whole_inputs:  # an encoder's input: whole, with no KV blocks
                 num_cached, num_new = 0, request.num_tokens
@@ -143,12 +150,14 @@ class Scheduler:
                 request.scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.lora_id:
+                adapters.add(request.lora_id)
             scheduled.append((request, num_new, []))
             budget -= num_new
         self.waiting.extendleft(reversed(held))
 
         new_requests = [NewRequestData(request.request_id, request.prompt_token_ids,
-                                       request.sampling_params)
+                                       request.sampling_params, request.lora_id)
                         for request, _, _ in scheduled if request.num_tokens_sent == 0]
         output = SchedulerOutput(
             scheduled=[self._describe(request, n, proposed)
@@ -158,6 +167,12 @@ class Scheduler:
         self.finished_request_ids = set()
         self.in_flight.update(request.request_id for request, _, _ in scheduled)
         return output
+
+    def _running_adapters(self) -> set[int]:
+        """The LoRA adapters of the running requests and of those ended while a step in
+        flight still runs them: each holds one of the model's ``max_loras`` slots."""
+        return {r.lora_id for r in (*self.running, *self._free_on_return.values())
+                if r.lora_id}
 
     def _proposals(self) -> dict[str, list[int]]:
         """Tokens to verify after each decoding request's next one: as many as the policy

@@ -14,6 +14,7 @@ from cpullm.beam_search import BeamSearchOutput, BeamSearchParams
 from cpullm.engine.llm_engine import LLMEngine, Prompt
 from cpullm.engine_args import EngineArgs
 from cpullm.logger import logging_to_tqdm
+from cpullm.lora.request import LoRARequest
 from cpullm.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -70,13 +71,23 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the order of the prompts."""
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of the prompts.
+        ``lora_request``: one LoRA adapter for every prompt, or one (or None) per prompt
+        (the engine made with ``enable_lora=True``)."""
         prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = _params_list(sampling_params, len(prompts), "sampling_params")
-        return self._submit(prompts, params_list, use_tqdm)  # type: ignore[return-value]
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts")
+        return self._submit(prompts, params_list, use_tqdm, loras)  # type: ignore[return-value]
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -100,18 +111,20 @@ class LLM:
                 for search in searches]
 
     def _submit(self, prompts: list[Prompt],
-                params_list: Sequence[SamplingParams | PoolingParams], use_tqdm: bool
+                params_list: Sequence[SamplingParams | PoolingParams], use_tqdm: bool,
+                loras: Sequence[LoRARequest | None] | None = None
                 ) -> list[RequestOutput | PoolingRequestOutput]:
         """Queue every prompt (each with a copy of its params), run them all, and return
         the outputs in the order of the prompts, each once it is finished."""
         engine = self.llm_engine
         ids = []
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
+            for prompt, params, lora in zip(prompts, params_list, loras or [None] * len(prompts),
+                                            strict=True):
                 params = params.clone()
                 if isinstance(params, SamplingParams):
                     params.output_kind = RequestOutputKind.FINAL_ONLY
-                ids.append(engine.add_request(None, prompt, params))
+                ids.append(engine.add_request(None, prompt, params, lora))
             return self._run(ids, use_tqdm)
         finally:
             engine.abort_request(ids)  # after an error, leave nothing queued
@@ -180,7 +193,9 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = []
@@ -191,8 +206,7 @@ class LLM:
             # The template already holds any BOS token: do not add special tokens again.
             ids = self.llm_engine.tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt_token_ids": ids})
-        outputs = self.generate(prompts, sampling_params, use_tqdm)
-        return outputs
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool
              ) -> list[RequestOutput | PoolingRequestOutput]:

@@ -21,6 +21,8 @@ from cpullm import distributed
 from cpullm.config import EngineConfig, KVCacheGroups
 from cpullm.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from cpullm.logger import init_logger
+from cpullm.lora.layers import set_step_mask
+from cpullm.lora.manager import LoRAModel
 from cpullm.model_executor.layers.attention import (
     AttentionMetadata,
     KVCacheQuant,
@@ -179,6 +181,8 @@ class ModelRunner(RunnerBase):
         ops = None if model_config.enforce_eager else load_ops()
         self.model = get_model(model_config, ops)
         self._assign_kv_groups(groups, stage)
+        self.lora = LoRAModel(self.model, model_config.hf_config, model_config.lora) \
+            if model_config.lora is not None else None
         reserving.join()
         logger.info("KV cache of %.2f GiB reserved (%.1f s with the model loading)",
                     sum(c.nbytes for c in [*slots.values(), *self.kv_scales.values()]) / (1 << 30),
@@ -234,7 +238,18 @@ class ModelRunner(RunnerBase):
             hidden, residual = distributed.recv_from_previous_stage([shape, shape],
                                                                     self.config.model.dtype)
             intermediate = (hidden, residual)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, intermediate)
+        if self.lora is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, intermediate)
+        else:
+            mask, pins = self.lora.begin_step([item.lora_id for item in items],
+                                              np.fromiter((r.num_tokens for r in items),
+                                                          dtype=np.int64, count=len(items)))
+            set_step_mask(mask)
+            try:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, intermediate)
+            finally:
+                set_step_mask(None)
+                self.lora.end_step(pins)
         if not layout.is_last_stage:
             distributed.send_to_next_stage(list(hidden))
             return ModelRunnerOutput()

@@ -15,11 +15,12 @@ class RequestState:
 
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "output_token_ids",
                  "block_tables", "num_computed_tokens", "num_tokens", "sample", "long_rope",
-                 "spec_token_ids")
+                 "spec_token_ids", "lora_id")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams | PoolingParams) -> None:
+                 sampling_params: SamplingParams | PoolingParams, lora_id: int = 0) -> None:
         self.request_id = request_id
+        self.lora_id = lora_id  # its LoRA adapter (0: the base model)
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.output_token_ids: list[int] = []
@@ -65,7 +66,7 @@ class RequestStates:
             self._states.pop(request_id, None)
         for new in scheduler_output.new_requests:
             self._states[new.request_id] = RequestState(new.request_id, new.prompt_token_ids,
-                                                        new.sampling_params)
+                                                        new.sampling_params, new.lora_id)
         items = []
         for step in scheduler_output.scheduled:
             state = self._states[step.request_id]

@@ -34,11 +34,12 @@ from cpullm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     RerankRequest,
     ScoreRequest,
     TokenizeChatRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from cpullm.entrypoints.openai.serving_chat import ServingChat
 from cpullm.entrypoints.openai.serving_completion import ServingCompletion
@@ -50,6 +51,7 @@ from cpullm.entrypoints.openai.serving_messages import (
     ServingMessages,
     anthropic_error,
 )
+from cpullm.entrypoints.openai.serving_models import ServingModels, parse_lora_module
 from cpullm.entrypoints.openai.serving_pooling import ServingPooling
 from cpullm.entrypoints.openai.serving_responses import (
     ResponsesRequest,
@@ -213,9 +215,16 @@ def build_app(engine: ServingEngine, served_model_name: str,
               enable_auto_tool_choice: bool = False,
               reasoning_parser: str | None = None,
               responses_store: ResponseStore | None = None,
-              webui: bool = True) -> FastAPI:
-    """The FastAPI app; the caller starts and stops the engine (see ``lifespan``)."""
+              webui: bool = True,
+              lora_modules: list[dict[str, Any]] | None = None) -> FastAPI:
+    """The FastAPI app; the caller starts and stops the engine (see ``lifespan``).
+    ``lora_modules``: the adapters to serve (``parse_lora_module``'s), read and checked
+    here (ValueError for a bad one)."""
     model_config = engine.config.model
+    models = ServingModels(model_config, served_model_name)
+    for module in lora_modules or []:
+        lora = models.add(module["name"], module["path"], module.get("base_model_name"))
+        logger.info("Serving LoRA adapter %r from %s", lora.lora_name, lora.lora_path)
     max_model_len = model_config.max_model_len
     metrics = ServerMetrics(engine, served_model_name)
     max_open = None if max_waiting_requests is None else \
@@ -226,6 +235,8 @@ def build_app(engine: ServingEngine, served_model_name: str,
                        enable_auto_tool_choice=enable_auto_tool_choice,
                        reasoning_parser=reasoning_parser)
     pooling = ServingPooling(engine, served_model_name, max_model_len, metrics, max_open)
+    for serving in (completions, chat, pooling):
+        serving.models = models
     messages = ServingMessages(chat)
     responses = ServingResponses(chat, ResponseStore(1000, 3600.0) if responses_store is None
                                  else responses_store)
@@ -317,11 +328,26 @@ def build_app(engine: ServingEngine, served_model_name: str,
         return {"version": cpullm.__version__}
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = ModelCard(id=served_model_name, root=str(model_config.source.gguf_path
-                                                        or model_config.source.directory),
-                         max_model_len=max_model_len)
-        return {"object": "list", "data": [card.model_dump()]}
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": models.cards()}
+
+    if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            try:  # (reads the files: off the event loop)
+                await asyncio.to_thread(models.add, body.lora_name, body.lora_path)
+            except ValueError as e:
+                raise OpenAIError(str(e), 400, "lora_path") from None
+            logger.info("Loaded LoRA adapter %r from %s", body.lora_name, body.lora_path)
+            return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.",
+                            media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            models.remove(body.lora_name)
+            logger.info("Unloaded LoRA adapter %r", body.lora_name)
+            return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
+                            media_type="text/plain")
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -453,6 +479,12 @@ def bind_model_limits(node: Any, served_model_name: str, vocab_size: int,
 def run_server(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     config = EngineArgs.from_cli_args(args).create_engine_config()
+    try:
+        lora_modules = [parse_lora_module(value) for value in args.lora_modules or []]
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if lora_modules and config.model.lora is None:
+        raise SystemExit("--lora-modules needs --enable-lora")
     if args.headless:  # another host serves; this one runs its ranks of the model
         from cpullm.executor.multiproc import run_headless
 
@@ -473,20 +505,23 @@ def run_server(args: argparse.Namespace) -> int:
                          name="grammar-vocabulary", daemon=True).start()
     bind_frontend_thread(list(config.parallel.binding.reserved_cpus))
     api_keys = args.api_key or ([envs.VLLM_API_KEY] if envs.VLLM_API_KEY else None)
-    app = build_app(engine, served_name, api_keys,
-                    log_requests=args.enable_log_requests and not args.disable_log_requests,
-                    max_request_body_bytes=args.max_request_body_bytes,
-                    allowed_origins=args.allowed_origins,
-                    request_body_timeout=args.request_body_timeout,
-                    max_waiting_requests=(args.max_waiting_requests
-                                          if args.max_waiting_requests is not None
-                                          else 8 * config.scheduler.max_num_seqs),
-                    tool_call_parser=args.tool_call_parser,
-                    enable_auto_tool_choice=args.enable_auto_tool_choice,
-                    reasoning_parser=args.reasoning_parser,
-                    responses_store=ResponseStore(args.responses_store_size,
-                                                  args.responses_store_ttl),
-                    webui=args.webui)
+    try:
+        app = build_app(engine, served_name, api_keys,
+                        log_requests=args.enable_log_requests and not args.disable_log_requests,
+                        max_request_body_bytes=args.max_request_body_bytes,
+                        allowed_origins=args.allowed_origins,
+                        request_body_timeout=args.request_body_timeout,
+                        max_waiting_requests=(args.max_waiting_requests
+                                              if args.max_waiting_requests is not None
+                                              else 8 * config.scheduler.max_num_seqs),
+                        tool_call_parser=args.tool_call_parser,
+                        enable_auto_tool_choice=args.enable_auto_tool_choice,
+                        reasoning_parser=args.reasoning_parser,
+                        responses_store=ResponseStore(args.responses_store_size,
+                                                      args.responses_store_ttl),
+                        webui=args.webui, lora_modules=lora_modules)
+    except ValueError as e:  # a bad adapter of --lora-modules
+        raise SystemExit(str(e)) from None
     logger.info("Engine ready in %.1f s; serving %s on http://%s:%d", time.perf_counter() - start,
                 served_name, args.host, args.port)
     # uvicorn shuts down gracefully on SIGTERM and SIGINT, then re-raises the signal to the

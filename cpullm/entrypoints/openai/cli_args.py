@@ -87,6 +87,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "(the oldest go first; 0: none kept)")
     parser.add_argument("--responses-store-ttl", type=_positive_int, default=3600,
                         help="seconds a stored /v1/responses response is kept")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="LoRA adapters to serve (with --enable-lora), each name=path or "
+                        'JSON {"name": ..., "path": ..., "base_model_name": ...}; a request '
+                        "picks one by its model")
     parser.add_argument("--headless", action="store_true",
                         help="serve nothing: run this node's ranks of a model that spans "
                              "nodes (--nnodes, --node-rank > 0), for the server on node 0")

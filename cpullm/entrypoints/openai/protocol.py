@@ -356,6 +356,20 @@ class TokenizeChatRequest(OpenAIModel):
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
 
 
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's /v1/load_lora_adapter."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's /v1/unload_lora_adapter (its lora_int_id is taken and not needed)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
 class DetokenizeRequest(OpenAIModel):
     model: str | None = Field(default=None, json_schema_extra=SERVED_MODEL)
     tokens: list[_TokenId]
@@ -418,4 +432,5 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "cpullm"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None

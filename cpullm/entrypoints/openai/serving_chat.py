@@ -30,6 +30,7 @@ from cpullm.entrypoints.openai.tool_parsers import (
     ToolParser,
     get_tool_parser,
 )
+from cpullm.lora.request import LoRARequest
 from cpullm.outputs import CompletionOutput, Logprob, RequestOutput
 from cpullm.sampling_params import SamplingParams
 from cpullm.structured_output import StructuredOutputsParams
@@ -42,6 +43,7 @@ class ChatTurn:
     mode: str | None  # the tool mode (ServingChat.tool_mode)
     token_ids: list[int]
     params: SamplingParams
+    lora: LoRARequest | None = None  # the adapter the request's model names
 
 
 class AnswerStream:
@@ -220,7 +222,7 @@ class ServingChat(ServingBase):
         """The checked request as the engine takes it: the tool mode, the rendered prompt's
         token ids and the sampling parameters (a required or named call's JSON schema held
         by structured outputs). /v1/messages and /v1/responses come through here too."""
-        self.check_request(request)
+        lora = self.check_request(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true.", 400, "top_logprobs")
         mode = self.tool_mode(request)
@@ -237,7 +239,7 @@ class ServingChat(ServingBase):
                 self.engine.frontend.check_params(params)
             except ValueError as e:
                 raise OpenAIError.from_value_error(e) from None
-        return ChatTurn(mode, token_ids, params)
+        return ChatTurn(mode, token_ids, params, lora)
 
     def answer_stream(self, request: ChatCompletionRequest, mode: str | None) -> AnswerStream:
         """A streamed answer's splitter, which splits it as ``message`` splits the whole."""
@@ -264,7 +266,8 @@ class ServingChat(ServingBase):
         turn = self.prepare(request)
         mode, token_ids, params = turn.mode, turn.token_ids, turn.params
         response_id = random_id("chatcmpl")
-        stream = self.generate(response_id, token_ids, params, request.cache_salt)
+        stream = self.generate(response_id, token_ids, params, request.cache_salt,
+                               lora=turn.lora)
         if request.stream:
             if mode in ("auto", "required", "named"):
                 return self._stream_tools(request, mode, response_id, len(token_ids), stream)
@@ -282,25 +285,25 @@ class ServingChat(ServingBase):
             choices.append(choice)
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         response = {"id": response_id, "object": "chat.completion", "created": now(),
-                    "model": self.served_model_name, "choices": choices,
+                    "model": request.model or self.served_model_name, "choices": choices,
                     "usage": usage(len(token_ids), completion_tokens)}
         if request.prompt_logprobs is not None:
             response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
         return response
 
-    def _chunker(self, response_id: str) -> Callable[..., str]:
+    def _chunker(self, response_id: str, model: str) -> Callable[..., str]:
         """The SSE event of a chunk of this response: its choices, and any extra fields."""
         created = now()
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
             return sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
-                        "model": self.served_model_name, "choices": choices, **extra})
+                        "model": model, "choices": choices, **extra})
 
         return chunk
 
     async def _stream(self, request: ChatCompletionRequest, response_id: str, num_prompt: int,
                       stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
-        chunk = self._chunker(response_id)
+        chunk = self._chunker(response_id, request.model or self.served_model_name)
         completion_tokens = 0
         started: set[int] = set()
         reasoning: dict[int, ReasoningStream] = {}
@@ -341,7 +344,7 @@ class ServingChat(ServingBase):
         first token, content as it comes, and each call's index, id and name, then its
         arguments in fragments (``ToolCallStream``); ``finish_reason`` "tool_calls" when the
         answer called tools. A reasoning parser's reasoning goes out first, apart."""
-        chunk = self._chunker(response_id)
+        chunk = self._chunker(response_id, request.model or self.served_model_name)
         completion_tokens = 0
         answers: dict[int, AnswerStream] = {}
 

@@ -18,6 +18,7 @@ from cpullm.entrypoints.openai.serving_engine import (
     top_entries,
     usage,
 )
+from cpullm.lora.request import LoRARequest
 from cpullm.outputs import CompletionOutput, Logprob, RequestOutput
 from cpullm.sampling_params import SamplingParams
 
@@ -37,14 +38,14 @@ class ServingCompletion(ServingBase):
                 for p in prompt]
 
     async def create(self, request: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
-        self.check_request(request)
+        lora = self.check_request(request)
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of must equal n (with use_beam_search, n is the beam "
                               "width).", 400, "best_of")
         prompts = self._prompts(request)
         response_id = random_id("cmpl")
         if request.use_beam_search:
-            streams = self._beam_searches(request, response_id, prompts)
+            streams = self._beam_searches(request, response_id, prompts, lora)
             if request.stream:
                 return self._stream(request, response_id, prompts, streams)
             return await self._full(request, response_id, prompts, streams)
@@ -55,14 +56,15 @@ class ServingCompletion(ServingBase):
         if request.echo and request.logprobs is not None:
             for p in params:
                 p.prompt_logprobs = request.logprobs
-        streams = [self.generate(f"{response_id}-{i}", p, sp, request.cache_salt)
+        streams = [self.generate(f"{response_id}-{i}", p, sp, request.cache_salt, lora=lora)
                    for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
         if request.stream:
             return self._stream(request, response_id, prompts, streams)
         return await self._full(request, response_id, prompts, streams)
 
     def _beam_searches(self, request: CompletionRequest, response_id: str,
-                       prompts: list[list[int]]) -> list[AsyncIterator[RequestOutput]]:
+                       prompts: list[list[int]], lora: LoRARequest | None
+                       ) -> list[AsyncIterator[RequestOutput]]:
         """vLLM's use_beam_search: each prompt's ``n`` best beams as its choices, each
         search a stream of one final output."""
         for name, unset in (("logprobs", request.logprobs is None), ("echo", not request.echo),
@@ -92,7 +94,7 @@ class ServingCompletion(ServingBase):
         async def score(tokens: list[int], params: SamplingParams) -> RequestOutput:
             final = None
             async for output in self.generate(random_id("beam"), tokens, params,
-                                              request.cache_salt, record=False):
+                                              request.cache_salt, record=False, lora=lora):
                 final = output
             return final
 
@@ -121,7 +123,7 @@ class ServingCompletion(ServingBase):
                                             output, completion, echo=request.echo))
         choices.sort(key=lambda c: c["index"])
         return {"id": response_id, "object": "text_completion", "created": now(),
-                "model": self.served_model_name, "choices": choices,
+                "model": request.model or self.served_model_name, "choices": choices,
                 "usage": usage(sum(map(len, prompts)), completion_tokens)}
 
     async def _stream(self, request: CompletionRequest, response_id: str,
@@ -134,7 +136,8 @@ class ServingCompletion(ServingBase):
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
             return sse({"id": response_id, "object": "text_completion", "created": created,
-                        "model": self.served_model_name, "choices": choices, **extra})
+                        "model": request.model or self.served_model_name, "choices": choices,
+                        **extra})
 
         try:
             async for index, output in merge(streams):

@@ -6,7 +6,7 @@ import asyncio
 import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cpullm.engine.async_engine import (
     EngineDeadError,
@@ -17,9 +17,13 @@ from cpullm.engine.async_engine import (
 from cpullm.entrypoints.openai.metrics import ServerMetrics
 from cpullm.entrypoints.openai.protocol import Usage, _SamplingFields
 from cpullm.logger import init_logger
+from cpullm.lora.request import LoRARequest
 from cpullm.outputs import Logprob, PoolingRequestOutput, PromptLogprobs
 from cpullm.pooling_params import PoolingParams
 from cpullm.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from cpullm.entrypoints.openai.serving_models import ServingModels
 
 logger = init_logger(__name__)
 
@@ -86,6 +90,7 @@ def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
 
 class ServingBase:
     route = ""  # for log lines
+    models: ServingModels | None = None  # the base model and its adapters (build_app)
 
     def __init__(self, engine: ServingEngine, served_model_name: str, max_model_len: int,
                  metrics: ServerMetrics, max_open_requests: int | None = None) -> None:
@@ -98,10 +103,11 @@ class ServingBase:
         self.max_token_bytes = max_token_bytes(engine.tokenizer)
         self._warned_fields: set[tuple[str, str]] = set()  # (route, field)
 
-    def check_request(self, request: _SamplingFields) -> None:
+    def check_request(self, request: _SamplingFields) -> LoRARequest | None:
         """Refuse a request for another model, any request once the engine is dead, and
-        fields not implemented yet; warn once about each field this server ignores."""
-        self.check_model(request.model)
+        fields not implemented yet; warn once about each field this server ignores. The
+        LoRA adapter the request's model names, or None."""
+        lora = self.check_model(request.model)
         if self.engine.config.model.is_pooling:
             raise OpenAIError(f"The model `{self.served_model_name}` is a pooling model "
                               f"(--task {self.engine.config.model.task}): it does not generate "
@@ -112,6 +118,7 @@ class ServingBase:
             name, reason = refused
             raise OpenAIError(f"{name} is not supported by this server: {reason}.", 400, name)
         self.warn_ignored(request.ignored_fields())
+        return lora
 
     def warn_ignored(self, names: list[str], route: str | None = None) -> None:
         """Name in the log, once per route, each field a request sent that is ignored."""
@@ -134,12 +141,16 @@ class ServingBase:
             raise OpenAIError(f"The server is at capacity ({open_requests} requests open); "
                               "retry later.", 503, headers={"Retry-After": "1"})
 
-    def check_model(self, model: str | None) -> None:
-        """Refuse a request for another model, or any request once the engine is dead."""
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """Refuse a request for another model, or any request once the engine is dead;
+        the LoRA adapter ``model`` names, or None for the base model."""
         if self.engine.errored:
             raise OpenAIError(f"the engine has stopped: {self.engine.dead_error!r}", 500)
+        if self.models is not None:
+            return self.models.resolve(model)
         if model is not None and model != self.served_model_name:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
+        return None
 
     def encode(self, text: str, add_special_tokens: bool = True, limit: bool = True
                ) -> list[int]:
@@ -203,7 +214,8 @@ class ServingBase:
 
     async def generate(self, request_id: str, token_ids: list[int],
                        params: SamplingParams | PoolingParams, cache_salt: str | None = None,
-                       record: bool = True) -> AsyncGenerator[Any, None]:
+                       record: bool = True, lora: LoRARequest | None = None
+                       ) -> AsyncGenerator[Any, None]:
         """The engine's outputs for one prompt (RequestOutputs; a pooling request's one
         PoolingRequestOutput), with latency metrics recorded on the way (unless
         ``record`` is false: a step of a beam search, which is not a request of its own)."""
@@ -211,7 +223,7 @@ class ServingBase:
         first = True
         num_tokens = 0
         streaming = getattr(params, "output_kind", None) == RequestOutputKind.DELTA
-        stream = self.engine.generate(request_id, token_ids, params, cache_salt)
+        stream = self.engine.generate(request_id, token_ids, params, cache_salt, lora)
         finished = False
         try:
             async for output in stream:

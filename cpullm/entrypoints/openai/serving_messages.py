@@ -243,7 +243,7 @@ class ServingMessages:
         turn = self.chat.prepare(chat_request)
         message_id = random_id("msg")
         stream = self.chat.generate(message_id, turn.token_ids, turn.params,
-                                    chat_request.cache_salt)
+                                    chat_request.cache_salt, lora=turn.lora)
         if request.stream:
             return self._stream(chat_request, turn.mode, message_id, len(turn.token_ids),
                                 stream)

@@ -263,7 +263,7 @@ class ServingResponses:
         turn = self.chat.prepare(chat_request)
         response = self._response(random_id("resp"), request, chat_request)
         stream = self.chat.generate(response["id"], turn.token_ids, turn.params,
-                                    chat_request.cache_salt)
+                                    chat_request.cache_salt, lora=turn.lora)
         if request.stream:
             return self._stream(request, chat_request, turn.mode, response,
                                 len(turn.token_ids), history, stream)

@@ -37,6 +37,9 @@ def get_model(config: ModelConfig, ops: KernelTable | None) -> nn.Module:
     model_class = get_model_class(config.architecture)
     quant_config = get_quantization_config(config.quantization, config.hf_config)
     model = model_class(config.hf_config, config.max_model_len, config.dtype, ops, quant_config)
+    if config.lora is not None:  # (around the methods before they pack the weights)
+        from cpullm.lora.manager import wrap_lora_layers
+        wrap_lora_layers(model, config.dtype, config.lora)
     if source.gguf_path is not None:
         weights = iterate_gguf(source.gguf_path, config.num_heads, config.num_kv_heads)
         if distributed.layout().world_size == 1:  # (a rank takes apart only its parts)
