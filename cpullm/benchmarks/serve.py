@@ -39,6 +39,9 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
                         "/v1/completions or /v1/chat/completions)")
     parser.add_argument("--model", default=None,
                         help="model name sent to the server; unset: its first model")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                        help="LoRA adapters the server serves: each request's model is one "
+                        "of them, picked at random (--seed)")
     parser.add_argument("--tokenizer", default=None,
                         help="local tokenizer folder or GGUF file; unset: the default model's")
     parser.add_argument("--max-concurrency", type=int, default=None,
@@ -217,10 +220,12 @@ async def _run(args: argparse.Namespace, requests: list[BenchRequest], model: st
     headers = _headers(args)
     limit = asyncio.Semaphore(args.max_concurrency or len(requests))
     rng = random.Random(args.seed)
+    models = [rng.choice(args.lora_modules) for _ in requests] if args.lora_modules \
+        else [model] * len(requests)
     bar = tqdm(total=len(requests), desc="Requests")
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(None)) as client:
-        async def limited(request: BenchRequest) -> RequestResult:
+        async def limited(request: BenchRequest, model: str) -> RequestResult:
             body = backend.body(model, request)
             async with limit:
                 if args.backend == "openai-embeddings":
@@ -234,8 +239,8 @@ async def _run(args: argparse.Namespace, requests: list[BenchRequest], model: st
 
         start = time.perf_counter()
         tasks = []
-        for request in requests:
-            tasks.append(asyncio.create_task(limited(request)))
+        for request, request_model in zip(requests, models, strict=True):
+            tasks.append(asyncio.create_task(limited(request, request_model)))
             if args.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
