@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Collection
 from typing import TYPE_CHECKING, Any
 
 from cpullm.engine.async_engine import (
@@ -113,12 +113,20 @@ class ServingBase:
                               f"(--task {self.engine.config.model.task}): it does not generate "
                               "text; use /v1/embeddings, /score or /rerank.", 400, "model")
         self.check_capacity()
+        self.check_fields(request)
+        return lora
+
+    def check_fields(self, request: Any, route: str | None = None,
+                     passed_on: Collection[str] = ()) -> None:
+        """Refuse the request's first field not implemented yet (a 400 naming it); warn once
+        about each field it sends that is ignored, except ``passed_on`` (those a translating
+        route hands on to chat)."""
         refused = request.refused_field()
         if refused is not None:
             name, reason = refused
             raise OpenAIError(f"{name} is not supported by this server: {reason}.", 400, name)
-        self.warn_ignored(request.ignored_fields())
-        return lora
+        self.warn_ignored([name for name in request.ignored_fields() if name not in passed_on],
+                          route)
 
     def warn_ignored(self, names: list[str], route: str | None = None) -> None:
         """Name in the log, once per route, each field a request sent that is ignored."""

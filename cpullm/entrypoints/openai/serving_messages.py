@@ -218,12 +218,7 @@ class ServingMessages:
         self.chat = chat
 
     def _request(self, request: CountTokensRequest) -> ChatCompletionRequest:
-        refused = request.refused_field()
-        if refused is not None:
-            name, reason = refused
-            raise OpenAIError(f"{name} is not supported by this server: {reason}.", 400, name)
-        self.chat.warn_ignored([name for name in request.ignored_fields()
-                                if name not in VLLM_SAMPLING_EXTRAS], self.route)
+        self.chat.check_fields(request, self.route, VLLM_SAMPLING_EXTRAS)
         for tool in request.tools or []:
             if tool.type not in (None, "custom"):
                 raise OpenAIError(f"tools: the {tool.type} tool {_SERVER_SIDE}.", 400, "tools")

@@ -195,12 +195,7 @@ class ServingResponses:
     def _chat_request(self, request: ResponsesRequest
                       ) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
         """The chat request, and the conversation it carries (for the store)."""
-        refused = request.refused_field()
-        if refused is not None:
-            name, reason = refused
-            raise OpenAIError(f"{name} is not supported by this server: {reason}.", 400, name)
-        self.chat.warn_ignored([name for name in request.ignored_fields()
-                                if name not in VLLM_SAMPLING_EXTRAS], self.route)
+        self.chat.check_fields(request, self.route, VLLM_SAMPLING_EXTRAS)
         history: list[dict[str, Any]] = []
         if request.previous_response_id is not None:
             self.chat.check_model(request.model)
