@@ -45,7 +45,6 @@ def wrap_lora_layers(model: nn.Module, dtype: torch.dtype, config: LoRAConfig) -
 class LoRAModel:
     def __init__(self, model: nn.Module, hf_config: Any, config: LoRAConfig) -> None:
         self.config = config
-        self.hf_config = hf_config
         self.layers = {name: module for name, module in model.named_modules()
                        if isinstance(getattr(module, "method", None), LoRALinearMethod)}
         if not self.layers:
@@ -53,7 +52,9 @@ class LoRAModel:
                              f"goes on ({', '.join(sorted(TARGETS))})")
         self.stacked: dict[str, tuple[str, Any]] = getattr(model, "stacked_params", {})
         self.dtype = next(iter(self.layers.values())).lora_dtype
-        self._shapes: dict[str, tuple[int, int]] | None = None
+        # the base model's linear layers as adapters name them: read at startup, not in the
+        # step loop at an adapter's first request
+        self.shapes = linear_shapes(hf_config)
         self.known: dict[int, LoRARequest] = {}
         self.read: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.slots: list[int | None] = [None] * config.max_loras
@@ -61,12 +62,6 @@ class LoRAModel:
         self.pinned: Counter[int] = Counter()  # slot -> steps in flight that use it
         self.tick = 0
         self.lock = threading.Lock()
-
-    @property
-    def shapes(self) -> dict[str, tuple[int, int]]:
-        if self._shapes is None:
-            self._shapes = linear_shapes(self.hf_config)
-        return self._shapes
 
     def add(self, request: LoRARequest) -> str:
         """Read (or find) the adapter; its prefix-cache key. ValueError for a bad adapter,
@@ -149,6 +144,7 @@ class LoRAModel:
         with self.lock:
             self.tick += 1
             slot_of = {}
+            loaded = False
             for lora_id in sorted(wanted):
                 if lora_id in self.slots:
                     slot = self.slots.index(lora_id)
@@ -161,8 +157,12 @@ class LoRAModel:
                     slot = min(free, key=lambda s: (self.slots[s] is not None,
                                                     self.slot_tick[s]))
                     self._load(slot, lora_id)
+                    loaded = True
                 slot_of[lora_id] = slot
                 self.slot_tick[slot] = self.tick
+            if loaded:  # once for the step's new slots, not once a slot
+                for layer in self.layers.values():
+                    layer.method.pack()
             pins = sorted(slot_of.values())
             self.pinned.update(pins)
         slots = np.array([slot_of.get(i, -1) for i in lora_ids], dtype=np.int64)
