@@ -274,8 +274,16 @@ def test_the_server_serves_adapters_and_loads_them_at_run_time(adapters):
 
         assert asyncio.run(all_at_once()) == [text(t) for name in ("base", "a", "b", "c")
                                               for t in expected[name]]
+        # unloading c while a request of it streams: the request finishes with c
+        stream = client.completions.create(model="c", prompt=PROMPTS[0], max_tokens=200,
+                                           temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        chunks = [next(iter(stream))]
         gone = http.post("/v1/unload_lora_adapter", json={"lora_name": "c"})
         assert gone.status_code == 200, gone.text
+        chunks += [c for c in stream if c.choices]
+        assert "".join(c.choices[0].text for c in chunks).startswith(text(expected["c"][0]))
+        assert chunks[-1].choices[0].finish_reason == "length"
         assert http.post("/v1/unload_lora_adapter",
                          json={"lora_name": "c"}).status_code == 404
         with pytest.raises(openai.NotFoundError):
