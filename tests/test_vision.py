@@ -17,7 +17,12 @@ TINY_VISION = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
 
 
 def reference(kind: str) -> torch.nn.Module:
-    from transformers import CLIPVisionConfig, CLIPVisionModel, SiglipVisionConfig, SiglipVisionModel
+    from transformers import (
+        CLIPVisionConfig,
+        CLIPVisionModel,
+        SiglipVisionConfig,
+        SiglipVisionModel,
+    )
 
     torch.manual_seed(0)
     if kind == "clip":
