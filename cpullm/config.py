@@ -30,6 +30,19 @@ _KV_QUANTIZED = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
 KV_INT8_SCALE_BYTES = 2  # an int8 row's float16 scale (one per token and KV head)
 
 
+def text_architecture(hf_config: Any) -> str:
+    """A config's architecture: its ``architectures``, or, for the configs that carry a
+    model_type only (GGUF files', a vision-language model's text_config), the usual one."""
+    archs = getattr(hf_config, "architectures", None) or []
+    if archs:
+        return archs[0]
+    model_type = hf_config.model_type
+    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM"}.get(model_type, model_type)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     source: ModelSource
@@ -77,16 +90,7 @@ class ModelConfig:
 
     @property
     def architecture(self) -> str:
-        archs = getattr(self.hf_config, "architectures", None) or []
-        if archs:
-            return archs[0]
-        # GGUF configs carry a model_type but no architectures list.
-        model_type = self.hf_config.model_type
-        return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                "gemma3_text": "Gemma3ForCausalLM"}.get(
-                    model_type, model_type)
+        return text_architecture(self.hf_config)
 
     @property
     def num_layers(self) -> int:

@@ -75,3 +75,41 @@ def test_a_wrong_image_size_is_refused():
         ours(torch.randn(1, 3, 70, 70))
     with pytest.raises(ValueError, match="patches of 14 pixels and 3 channels"):
         ours(torch.randn(1, 3, 50, 56))
+
+
+@pytest.mark.parametrize("layers, strategy", [(-2, "default"), ([-3, -1], "full")])
+def test_llava_image_features_match_transformers(layers, strategy):
+    """A LLaVA checkpoint loads (vision tower, projector, language model) and its image
+    features equal transformers' get_image_features."""
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+
+    from cpullm.model_executor.models.llava import LlavaForConditionalGeneration as Ours
+
+    config = LlavaConfig(vision_config=CLIPVisionConfig(**TINY_VISION).to_dict(),
+                         text_config=LlamaConfig(hidden_size=48, intermediate_size=96,
+                                                 num_hidden_layers=2, num_attention_heads=4,
+                                                 num_key_value_heads=2,
+                                                 vocab_size=300).to_dict(),
+                         image_token_index=299, vision_feature_layer=layers,
+                         vision_feature_select_strategy=strategy)
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0, 0.1)
+    ours = Ours(config, 256, torch.float32)
+    ours.load_weights(model.state_dict().items())
+    finish_loading(ours, None)
+    pixels = torch.randn(2, 3, 56, 56)
+    with torch.no_grad():
+        expected = torch.stack(model.model.get_image_features(pixels).pooler_output)
+        got = ours.encode_images(pixels)
+    assert got.shape == (2, 16 + (strategy == "full"), 48)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(ours.language_model.lm_head.weight, model.lm_head.weight)
