@@ -82,6 +82,8 @@ class ModelConfig:
     # --calculate-kv-scales), else 1.0
     calculate_kv_scales: bool = False
     lora: LoRAConfig | None = None  # --enable-lora's limits; None: no adapters
+    # a vision-language model's whole config (hf_config is then its text_config)
+    mm_config: Any = None
 
     @property
     def is_pooling(self) -> bool:
@@ -90,7 +92,8 @@ class ModelConfig:
 
     @property
     def architecture(self) -> str:
-        return text_architecture(self.hf_config)
+        return text_architecture(self.mm_config if self.mm_config is not None
+                                 else self.hf_config)
 
     @property
     def num_layers(self) -> int:

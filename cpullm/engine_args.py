@@ -30,6 +30,7 @@ from cpullm.model_executor.layers.quantization import (
     canonical_method,
     get_quantization_config,
 )
+from cpullm.multimodal import MULTIMODAL_ARCHITECTURES
 from cpullm.platform import CpuTopology, format_cpu_list, plan_binding, resolve_dtype
 from cpullm.sampling_params import DEFAULT_MAX_LOGPROBS
 from cpullm.transformers_utils import (
@@ -290,6 +291,9 @@ class EngineArgs:
                         ", ".join(topology.info.features) or "none of note")
         source = resolve_model(self.model, self.load_format, pooling=self._asks_pooling())
         hf_config = load_hf_config(source)
+        mm_config = None
+        if (getattr(hf_config, "architectures", None) or [None])[0] in MULTIMODAL_ARCHITECTURES:
+            mm_config, hf_config = hf_config, hf_config.text_config  # (the engine's sizes)
         model_dtype = getattr(hf_config, "dtype", None)
         if isinstance(model_dtype, str):
             model_dtype = getattr(torch, model_dtype, None)
@@ -340,7 +344,8 @@ class EngineArgs:
             pooler_config=pooler_config, lm_head_quantization=self.lm_head_quantization,
             max_logprobs=self.max_logprobs,
             kv_cache_dtype=self._kv_cache_dtype(dtype, encoder),
-            calculate_kv_scales=self.calculate_kv_scales, lora=self._lora_config(task))
+            calculate_kv_scales=self.calculate_kv_scales, lora=self._lora_config(task),
+            mm_config=mm_config)
         model_config = resolve_model_config(model_config)
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs: must be -1 (the whole vocabulary) or at least 0, "
@@ -359,6 +364,9 @@ class EngineArgs:
             master_port=self.master_port or (_MASTER_PORT if self.nnodes > 1 else 0),
             nnodes=self.nnodes, node_rank=self.node_rank)
         model_config.check_parallel(sizes)
+        if mm_config is not None and (sizes.world_size > 1 or self.enable_lora):
+            raise ValueError(f"{model_config.architecture}: tensor and pipeline parallelism "
+                             "and LoRA with images are not supported yet")
         if self.enable_lora and sizes.world_size > 1:
             raise ValueError("--enable-lora with tensor or pipeline parallelism is not "
                              "supported yet (--data-parallel-size is)")

@@ -24,6 +24,7 @@ from cpullm.engine.scheduler import Scheduler
 from cpullm.executor import Executor, create_executor
 from cpullm.logger import init_logger
 from cpullm.lora.request import LoRARequest
+from cpullm.multimodal import ImageInput
 from cpullm.platform.memory import read_bandwidth
 from cpullm.pooling_params import PoolingParams
 from cpullm.sampling_params import SamplingParams
@@ -52,6 +53,7 @@ class EngineCoreRequest:
     arrival_time: float  # time.monotonic() when the front end received it
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    images: list[ImageInput] = field(default_factory=list)  # the prompt's images
 
 
 @dataclass(slots=True)
@@ -142,6 +144,7 @@ class EngineCore:
         sequence = Request(request.request_id, request.prompt_token_ids, request.params,
                            self.eos_token_ids, self.config.model.max_model_len,
                            request.cache_salt, lora_id, lora_key)
+        sequence.images = request.images
         sequence.arrival_time = request.arrival_time
         self.scheduler.add_request(sequence)
 

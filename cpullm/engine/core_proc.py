@@ -42,6 +42,7 @@ from cpullm.engine.core import EngineCore, EngineCoreOutput, EngineCoreRequest, 
 from cpullm.engine.sched_output import LogprobsLists
 from cpullm.logger import init_logger
 from cpullm.lora.request import LoRARequest
+from cpullm.multimodal import ImageInput
 from cpullm.pooling_params import PoolingParams
 from cpullm.sampling_params import RequestOutputKind, SamplingParams
 from cpullm.utils import die_with_parent
@@ -66,7 +67,7 @@ def encode_request(request: EngineCoreRequest) -> list[Any]:
     if isinstance(request.params, PoolingParams):  # a dict: a pooling request's
         return [request.request_id, request.prompt_token_ids,
                 dataclasses.asdict(request.params), request.arrival_time, request.cache_salt,
-                None]
+                None, []]
     params = [getattr(request.params, name) for name in _PARAM_FIELDS]
     params[_PARAM_FIELDS.index("output_kind")] = request.params.output_kind.value
     guided = request.params.structured_outputs
@@ -74,11 +75,12 @@ def encode_request(request: EngineCoreRequest) -> list[Any]:
         None if guided is None else dataclasses.asdict(guided))
     lora = request.lora
     return [request.request_id, request.prompt_token_ids, params, request.arrival_time,
-            request.cache_salt, None if lora is None else dataclasses.astuple(lora)]
+            request.cache_salt, None if lora is None else dataclasses.astuple(lora),
+            [image.encode() for image in request.images]]
 
 
 def decode_request(data: list[Any]) -> EngineCoreRequest:
-    request_id, prompt_token_ids, values, arrival_time, cache_salt, lora = data
+    request_id, prompt_token_ids, values, arrival_time, cache_salt, lora, images = data
     if isinstance(values, dict):
         return EngineCoreRequest(request_id, prompt_token_ids, PoolingParams(**values),
                                  arrival_time, cache_salt)
@@ -87,7 +89,8 @@ def decode_request(data: list[Any]) -> EngineCoreRequest:
     fields["output_kind"] = RequestOutputKind(fields["output_kind"])
     return EngineCoreRequest(request_id, prompt_token_ids, SamplingParams(**fields),
                              arrival_time, cache_salt,
-                             None if lora is None else LoRARequest(*lora))
+                             None if lora is None else LoRARequest(*lora),
+                             [ImageInput.decode(image) for image in images])
 
 
 def _encode_rows(rows: LogprobsLists | None) -> list[Any] | None:

@@ -110,9 +110,11 @@ class KVCacheManager:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         for i in range(len(hashes), num_tokens // size):
+            images = [image.hash for image in request.images
+                      if image.offset < (i + 1) * size and image.offset + image.length > i * size]
             hashes.append(block_digest(hashes[-1] if hashes else None,
                                        tokens[i * size:(i + 1) * size], request.cache_salt,
-                                       request.lora_key))
+                                       request.lora_key, images))
 
     def find_cached_prefix(self, request: Request) -> list[list[int]]:
         """Per group, the blocks already holding a prefix of the request's tokens (the same
@@ -230,10 +232,10 @@ PREFIX_CACHING_HASH_ALGOS = ("sha256",)  # --prefix-caching-hash-algo
 
 
 def block_digest(parent: bytes | None, token_ids: list[int], cache_salt: str | None,
-                 lora_key: str | None = None) -> bytes:
+                 lora_key: str | None = None, images: list[str] | None = None) -> bytes:
     """The SHA-256 digest naming a full block: its parent's digest (none for the first
     block, which takes the salt instead, length-prefixed, and the digest of the adapter's
-    files) and its token ids (int32)."""
+    files), its token ids (int32) and the hashes of the images whose tokens it holds."""
     h = hashlib.sha256()
     if parent is None:
         salt = (cache_salt or "").encode()
@@ -244,4 +246,6 @@ def block_digest(parent: bytes | None, token_ids: list[int], cache_salt: str | N
     else:
         h.update(parent)
     h.update(array("i", token_ids).tobytes())
+    for image in images or ():
+        h.update(b"\x03" + image.encode())
     return h.digest()

@@ -21,6 +21,7 @@ from cpullm.engine_args import EngineArgs
 from cpullm.executor import UniProcExecutor
 from cpullm.logger import init_logger
 from cpullm.lora.request import LoRARequest
+from cpullm.multimodal import ImageInput, image_inputs
 from cpullm.outputs import PoolingRequestOutput, RequestOutput
 from cpullm.pooling_params import PoolingParams
 from cpullm.sampling_params import SamplingParams
@@ -60,6 +61,44 @@ class Frontend:
             self.tokenizer.chat_template = model_config.chat_template
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = GrammarChecker(self.tokenizer)
+        self._processor: Any = None  # a vision-language model's, read at its first image
+
+    def process_images(self, prompt: Prompt) -> tuple[str, list[int], list[ImageInput]]:
+        """A prompt with ``multi_modal_data`` ({"image": an image or a list}): its text
+        through the model's processor (which expands each image token into the image's
+        feature tokens), and its images."""
+        from PIL import Image
+
+        model_config = self.config.model
+        if model_config.mm_config is None:
+            raise ValueError(f"multi_modal_data: {model_config.architecture} takes no images")
+        assert isinstance(prompt, dict)
+        data = prompt["multi_modal_data"]
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError("multi_modal_data: expected {\"image\": an image or a list of "
+                             "images}")
+        images = data.get("image") or []
+        images = images if isinstance(images, list | tuple) else [images]
+        if not all(isinstance(image, Image.Image) for image in images):
+            raise ValueError("multi_modal_data: images must be PIL images")
+        text = prompt.get("prompt")
+        if not isinstance(text, str):
+            raise ValueError("multi_modal_data: a prompt with images must be text (\"prompt\")")
+        if self._processor is None:
+            from transformers import AutoProcessor
+
+            self._processor = AutoProcessor.from_pretrained(model_config.source.directory,
+                                                            local_files_only=True)
+        try:
+            processed = self._processor(text=text, images=[i.convert("RGB") for i in images]
+                                        or None, return_tensors="pt")
+        except ValueError as e:  # (the processor's own checks: placeholders and images)
+            raise ValueError(f"multi_modal_data: {e}") from None
+        token_ids = processed["input_ids"][0].tolist()
+        if not images:
+            return text, token_ids, []
+        return text, token_ids, image_inputs(token_ids, processed["pixel_values"],
+                                             model_config.mm_config.image_token_index)
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -84,6 +123,8 @@ class Frontend:
         """A prompt is text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}
         (either with an optional "cache_salt")."""
         if isinstance(prompt, dict):
+            if "multi_modal_data" in prompt:
+                raise ValueError("multi_modal_data: images go through generate or chat")
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:
@@ -263,7 +304,11 @@ class LLMEngine:
         """Queue a request (with a LoRA adapter); returns its id. Bad prompts and
         adapters raise ValueError."""
         request_id = request_id if request_id is not None else str(next(self._ids))
-        text, token_ids = self.frontend.tokenize_prompt(prompt)
+        images: list[ImageInput] = []
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            text, token_ids, images = self.frontend.process_images(prompt)
+        else:
+            text, token_ids = self.frontend.tokenize_prompt(prompt)
         if isinstance(params, PoolingParams):
             token_ids = self.frontend.check_pooling(params, token_ids)
         else:
@@ -272,7 +317,7 @@ class LLMEngine:
         salt = self.frontend.cache_salt(prompt)
         self.frontend.check_lora(lora_request)
         for sequence in self.processor.add_request(request_id, text, token_ids, params, salt,
-                                                   lora_request):
+                                                   lora_request, images):
             try:
                 self.core.add_request(sequence)
             except ValueError:  # (an in-process core reads the adapter here)

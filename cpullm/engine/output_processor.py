@@ -18,6 +18,7 @@ from cpullm.engine.core import EngineCoreOutput, EngineCoreRequest
 from cpullm.engine.detokenizer import IncrementalDetokenizer
 from cpullm.engine.sched_output import LogprobsLists
 from cpullm.lora.request import LoRARequest
+from cpullm.multimodal import ImageInput
 from cpullm.outputs import (
     CompletionOutput,
     Logprob,
@@ -86,15 +87,16 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, token_ids: list[int],
                     params: SamplingParams | PoolingParams, cache_salt: str | None = None,
-                    lora: LoRARequest | None = None) -> list[EngineCoreRequest]:
+                    lora: LoRARequest | None = None, images: list[ImageInput] | None = None
+                    ) -> list[EngineCoreRequest]:
         """Track a request; returns the sequences the core is to run for it (with the
         LoRA adapter ``lora``)."""
         if request_id in self.requests or request_id in self.pooling:
             raise ValueError(f"request_id {request_id!r} is already in use")
         arrival = time.monotonic()
         if isinstance(params, PoolingParams):
-            if lora is not None:
-                raise ValueError("a pooling request takes no LoRA adapter")
+            if lora is not None or images:
+                raise ValueError("a pooling request takes no LoRA adapter and no images")
             self.pooling[request_id] = (prompt, token_ids)
             return [EngineCoreRequest(request_id, token_ids, params, arrival, cache_salt)]
         state = _RequestState(request_id, prompt, token_ids, params, [],
@@ -114,7 +116,7 @@ class OutputProcessor:
             state.samples.append(sample)
             self._sample_of[sequence_id] = (state, sample)
             sequences.append(EngineCoreRequest(sequence_id, token_ids, child_params, arrival,
-                                               cache_salt, lora))
+                                               cache_salt, lora, images or []))
         self.requests[request_id] = state
         return sequences
 

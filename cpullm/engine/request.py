@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from cpullm.sampling_params import SamplingParams
 
@@ -38,7 +39,7 @@ class Request:
                  "num_computed_tokens", "block_tables", "block_hashes", "long_rope", "status",
                  "stop_reason", "num_cached_tokens", "scheduled_time", "first_token_time",
                  "last_token_time", "cache_salt", "num_tokens_sent", "num_blocks_sent",
-                 "lora_id", "lora_key")
+                 "lora_id", "lora_key", "images")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_ids: set[int],
@@ -77,6 +78,9 @@ class Request:
         # which its blocks' digests take as they take the salt
         self.lora_id = lora_id
         self.lora_key = lora_key
+        # the prompt's images (multimodal.ImageInput): a block holding an image's tokens is
+        # keyed by the image's hash too
+        self.images: list[Any] = []
         self.block_hashes: list[bytes] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

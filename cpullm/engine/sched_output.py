@@ -13,6 +13,7 @@ do. So a step's message grows with the number of requests, not with their length
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams | PoolingParams  # PoolingParams: a pooling request
     lora_id: int = 0  # its LoRA adapter (0: the base model)
+    images: list[Any] = field(default_factory=list)  # its prompt's (multimodal.ImageInput)
 
 
 @dataclass(slots=True)

@@ -157,7 +157,8 @@ class Scheduler:
         self.waiting.extendleft(reversed(held))
 
         new_requests = [NewRequestData(request.request_id, request.prompt_token_ids,
-                                       request.sampling_params, request.lora_id)
+                                       request.sampling_params, request.lora_id,
+                                       request.images)
                         for request, _, _ in scheduled if request.num_tokens_sent == 0]
         output = SchedulerOutput(
             scheduled=[self._describe(request, n, proposed)

@@ -31,6 +31,7 @@ from cpullm.model_executor.layers.attention import (
 from cpullm.model_executor.layers.ops import load_ops
 from cpullm.model_executor.layers.pooler import finish_embeddings
 from cpullm.model_executor.loader import get_model
+from cpullm.multimodal import set_step_embeds
 from cpullm.platform.affinity import bind_compute_threads, prefer_local_memory
 from cpullm.platform.memory import tune_malloc
 from cpullm.platform.topology import CpuTopology
@@ -196,6 +197,35 @@ class ModelRunner(RunnerBase):
             self.sampler.guided.warm()  # (on the rank that samples)
         # a decoder's embedding requests: id -> (sum, count, first) of their hidden states
         self._pooling: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        # a vision-language model's encoded images: request id -> {image index: embeddings},
+        # each kept until the request's computed tokens pass the image's
+        self._encoded: dict[str, dict[int, torch.Tensor]] | None = \
+            {} if model_config.mm_config is not None else None
+
+    def _step_images(self, items: list[RequestState], query_ends: np.ndarray
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's image embeddings: (flat token indices, rows) for the image tokens
+        it computes, each image encoded when a step first reaches it."""
+        assert self._encoded is not None
+        indices, rows = [], []
+        for item, end in zip(items, query_ends, strict=True):
+            start, stop = item.num_computed_tokens, item.num_computed_tokens + item.num_tokens
+            first = int(end) - item.num_tokens  # the flat index of its position start
+            for i, image in enumerate(item.images):
+                lo, hi = max(start, image.offset), min(stop, image.offset + image.length)
+                if lo >= hi:
+                    continue
+                encoded = self._encoded.setdefault(item.request_id, {})
+                if i not in encoded:
+                    pixels = image.pixel_values[None].to(self.config.model.dtype)
+                    encoded[i] = self.model.encode_images(pixels)[0]
+                indices.append(torch.arange(first + lo - start, first + hi - start))
+                rows.append(encoded[i][lo - image.offset:hi - image.offset])
+                if hi == image.offset + image.length:  # its last tokens: not needed again
+                    del encoded[i]
+        if not indices:
+            return None
+        return torch.cat(indices), torch.cat(rows)
 
     def _assign_kv_groups(self, groups: KVCacheGroups, stage: range) -> None:
         """Tell each attention layer of this stage which group's block tables it reads,
@@ -224,6 +254,8 @@ class ModelRunner(RunnerBase):
         for request_id in scheduler_output.finished_request_ids:
             self.sampler.drop(request_id)
             self._pooling.pop(request_id, None)
+            if self._encoded is not None:
+                self._encoded.pop(request_id, None)
         items = self.requests.update(scheduler_output)
         if not items:
             return ModelRunnerOutput()
@@ -238,17 +270,18 @@ class ModelRunner(RunnerBase):
             hidden, residual = distributed.recv_from_previous_stage([shape, shape],
                                                                     self.config.model.dtype)
             intermediate = (hidden, residual)
-        if self.lora is None:
+        mask, pins = (None, []) if self.lora is None else self.lora.begin_step(
+            [item.lora_id for item in items],
+            np.fromiter((r.num_tokens for r in items), dtype=np.int64, count=len(items)))
+        set_step_mask(mask)
+        set_step_embeds(self._step_images(items, query_ends) if self._encoded is not None
+                        else None)
+        try:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, intermediate)
-        else:
-            mask, pins = self.lora.begin_step([item.lora_id for item in items],
-                                              np.fromiter((r.num_tokens for r in items),
-                                                          dtype=np.int64, count=len(items)))
-            set_step_mask(mask)
-            try:
-                hidden = self.model(input_ids, positions, self.kv_caches, meta, intermediate)
-            finally:
-                set_step_mask(None)
+        finally:
+            set_step_mask(None)
+            set_step_embeds(None)
+            if self.lora is not None:
                 self.lora.end_step(pins)
         if not layout.is_last_stage:
             distributed.send_to_next_stage(list(hidden))

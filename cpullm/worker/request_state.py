@@ -4,6 +4,8 @@ got once, the output tokens and block tables it was sent since, and the step's s
 
 from __future__ import annotations
 
+from typing import Any
+
 from cpullm.engine.sched_output import SchedulerOutput
 from cpullm.pooling_params import PoolingParams
 from cpullm.sampling_params import SamplingParams
@@ -15,12 +17,14 @@ class RequestState:
 
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "output_token_ids",
                  "block_tables", "num_computed_tokens", "num_tokens", "sample", "long_rope",
-                 "spec_token_ids", "lora_id")
+                 "spec_token_ids", "lora_id", "images")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams | PoolingParams, lora_id: int = 0) -> None:
+                 sampling_params: SamplingParams | PoolingParams, lora_id: int = 0,
+                 images: list[Any] | None = None) -> None:
         self.request_id = request_id
         self.lora_id = lora_id  # its LoRA adapter (0: the base model)
+        self.images = images or []  # its prompt's (multimodal.ImageInput)
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.output_token_ids: list[int] = []
@@ -66,7 +70,8 @@ class RequestStates:
             self._states.pop(request_id, None)
         for new in scheduler_output.new_requests:
             self._states[new.request_id] = RequestState(new.request_id, new.prompt_token_ids,
-                                                        new.sampling_params, new.lora_id)
+                                                        new.sampling_params, new.lora_id,
+                                                        new.images)
         items = []
         for step in scheduler_output.scheduled:
             state = self._states[step.request_id]

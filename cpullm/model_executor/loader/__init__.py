@@ -36,7 +36,8 @@ def get_model(config: ModelConfig, ops: KernelTable | None) -> nn.Module:
                 f" ({config.quantization})" if config.quantization else "")
     model_class = get_model_class(config.architecture)
     quant_config = get_quantization_config(config.quantization, config.hf_config)
-    model = model_class(config.hf_config, config.max_model_len, config.dtype, ops, quant_config)
+    model = model_class(config.mm_config if config.mm_config is not None else config.hf_config,
+                        config.max_model_len, config.dtype, ops, quant_config)
     if config.lora is not None:  # (around the methods before they pack the weights)
         from cpullm.lora.manager import wrap_lora_layers
         wrap_lora_layers(model, config.dtype, config.lora)

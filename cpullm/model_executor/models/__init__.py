@@ -26,6 +26,7 @@ from cpullm.model_executor.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from cpullm.model_executor.models.llava import LlavaForConditionalGeneration
 from cpullm.model_executor.models.qwen_moe import (
     MixtralForCausalLM,
     Qwen2MoeForCausalLM,
@@ -58,6 +59,10 @@ MODEL_REGISTRY: dict[str, tuple[type[nn.Module], str]] = {
                           "SwiGLU, MXFP4 experts (kept as 8-bit groups)"),
     "GlmForCausalLM": (GlmForCausalLM, "GLM-4; interleaved partial rotary, fused gate-up"),
     "Glm4ForCausalLM": (Glm4ForCausalLM, "GLM-4-0414; and post-block norms"),
+    # vision-language models: images in the prompt (cpullm/multimodal.py)
+    "LlavaForConditionalGeneration": (LlavaForConditionalGeneration, "LLaVA 1.5 layout: a "
+                                      "CLIP or SigLIP tower, a projector, a Llama-family "
+                                      "language model"),
     # encoders, for pooling (--task embed / score)
     "BertModel": (BertModel, "BERT encoders (all-MiniLM, BGE, E5, ...): embeddings"),
     "RobertaModel": (RobertaModel, "RoBERTa encoders: embeddings; positions from pad + 1"),

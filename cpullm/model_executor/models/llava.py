@@ -22,8 +22,17 @@ from cpullm.config import text_architecture
 from cpullm.model_executor.layers.linear import ReplicatedLinear
 from cpullm.model_executor.layers.ops import KernelTable
 from cpullm.model_executor.layers.quantization.base import QuantizationConfig
+from cpullm.model_executor.models.llama import (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+)
 from cpullm.model_executor.models.vision import VisionTransformer
+from cpullm.multimodal import step_embeds
 
+# the language models a LLaVA checkpoint may hold
+_LANGUAGE_MODELS: dict[str, type[nn.Module]] = {
+    cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)}
 _PROJECTOR_ACTIVATIONS = {"gelu": F.gelu, "gelu_pytorch_tanh":
                           lambda x: F.gelu(x, approximate="tanh")}
 
@@ -73,8 +82,6 @@ class LlavaForConditionalGeneration(nn.Module):
     def __init__(self, config: Any, max_position: int, dtype: torch.dtype,
                  ops: KernelTable | None = None,
                  quant_config: QuantizationConfig | None = None) -> None:
-        from cpullm.model_executor.models import get_model_class
-
         super().__init__()
         self.config = config
         strategy = config.vision_feature_select_strategy
@@ -87,8 +94,11 @@ class LlavaForConditionalGeneration(nn.Module):
         self.vision_tower = VisionTransformer(config.vision_config, dtype)
         self.multi_modal_projector = LlavaProjector(config, dtype)
         text = config.text_config
-        self.language_model = get_model_class(text_architecture(text))(
-            text, max_position, dtype, ops, quant_config)
+        language_model = _LANGUAGE_MODELS.get(text_architecture(text))
+        if language_model is None:
+            raise ValueError(f"LLaVA with a {text_architecture(text)} language model is not "
+                             f"supported ({', '.join(_LANGUAGE_MODELS)})")
+        self.language_model = language_model(text, max_position, dtype, ops, quant_config)
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[images, channels, height, width] -> [images, image tokens, hidden]: what each
@@ -101,6 +111,24 @@ class LlavaForConditionalGeneration(nn.Module):
         features = torch.cat(picked, dim=-1)
         images, tokens, width = features.shape
         return self.multi_modal_projector(features.reshape(-1, width)).view(images, tokens, -1)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: Any,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The language model's forward, the step's image tokens embedded as their
+        images' features (multimodal.step_embeds, set by the model runner)."""
+        images = step_embeds()
+        if images is not None and intermediate is None:
+            index, rows = images
+            hidden = self.language_model.model.embed(input_ids)
+            hidden[index] = rows.to(hidden.dtype)
+            intermediate = (hidden, None)  # (the first layer starts the residual stream)
+        return self.language_model(input_ids, positions, kv_caches, meta, intermediate)
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.language_model.lm_head
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
