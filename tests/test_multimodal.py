@@ -125,3 +125,89 @@ def test_bad_image_requests_are_refused_by_name(llava, tiny_model):
     text_only = LLM(str(tiny_model("llama")), dtype="float32", kv_cache_memory_bytes=1 << 24)
     with pytest.raises(ValueError, match="LlamaForCausalLM takes no images"):
         text_only.generate(request(PROMPT, [image(0)]), GREEDY, use_tqdm=False)
+
+
+def data_url(picture) -> str:
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_the_server_answers_images_and_refuses_bad_ones(llava, tmp_path):
+    """Chat through the openai client: a data-URL image and a local file under
+    --allowed-local-media-path answer as transformers does on the same rendered prompt;
+    images that cannot be had get a 400 naming why; the server keeps serving."""
+    import openai
+    from server_utils import RemoteServer
+    from transformers import AutoTokenizer
+
+    folder, _, processor = llava
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    picture, other = image(6), image(7, (30, 90))
+    other.save(tmp_path / "other.png")
+    server = RemoteServer([str(folder), "--dtype", "float32", "--max-model-len", "512",
+                           "--allowed-local-media-path", str(tmp_path),
+                           "--limit-mm-per-prompt", '{"image": 2}'])
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+
+        def ask(parts: list[dict]) -> str:
+            answer = client.chat.completions.create(
+                model=str(folder), messages=[{"role": "user", "content": parts}],
+                max_tokens=NEW_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+            return answer.choices[0].message.content
+
+        def expected(text: str, images: list) -> str:
+            prompt = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False,
+                add_generation_prompt=True)
+            inputs = processor(text=prompt, images=images, return_tensors="pt",
+                               add_special_tokens=False)
+            out = llava[1].generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS)
+            return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:],
+                                    skip_special_tokens=True)
+
+        parts = [{"type": "text", "text": "Look: "},
+                 {"type": "image_url", "image_url": {"url": data_url(picture)}},
+                 {"type": "text", "text": " and "},
+                 {"type": "image_url", "image_url": {"url": f"file://{tmp_path}/other.png"}}]
+        assert ask(parts) == expected("Look: <image> and <image>", [picture, other])
+
+        def refused(parts: list[dict], match: str) -> None:
+            with pytest.raises(openai.BadRequestError, match=match):
+                ask(parts)
+
+        url = {"type": "image_url", "image_url": {"url": data_url(picture)}}
+        refused([url] * 3, "3 images in the conversation; this server takes at most 2")
+        refused([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}],
+                "not an image PIL can read")
+        refused([{"type": "image_url", "image_url": {"url": "data:text/plain,hi"}}],
+                "a data URL must be")
+        refused([{"type": "image_url", "image_url": {"url": "/etc/hostname"}}],
+                "not under --allowed-local-media-path")
+        refused([{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}],
+                "--allow-remote-media")
+        assert ask([{"type": "text", "text": "just text"}])
+        assert server.wait_idle()["vllm:num_requests_running"] == 0
+    finally:
+        assert server.stop() == 0
+    assert "Traceback" not in server.log()
+
+
+def test_a_text_model_refuses_images(tiny_model):
+    import openai
+    from server_utils import RemoteServer
+
+    server = RemoteServer([str(tiny_model("llama")), "--dtype", "float32",
+                           "--max-model-len", "256"])
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        part = {"type": "image_url", "image_url": {"url": data_url(image(0))}}
+        with pytest.raises(openai.BadRequestError, match="takes no images"):
+            client.chat.completions.create(model=str(tiny_model("llama")), max_tokens=4,
+                                           messages=[{"role": "user", "content": [part]}])
+    finally:
+        assert server.stop() == 0

@@ -116,13 +116,17 @@ def test_servable_values_of_refused_fields_pass(client, model_dir):
     assert reply.choices[0].finish_reason == "length"
 
 
-def test_content_parts_other_than_text_are_refused(server, model_dir):
-    messages = [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
-    response = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
-                          json={"model": model_dir, "messages": messages})
-    assert response.status_code == 400
-    assert "image_url" in response.json()["error"]["message"]
+def test_images_to_a_text_model_and_other_parts_are_refused(server, model_dir):
+    """An image part to a model that takes none, and a part of a kind no model here takes
+    (audio): a 400 that says so."""
+    for part, says in [({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                        "takes no images"),
+                       ({"type": "input_audio", "input_audio": {"data": "AAAA"}}, "input_audio")]:
+        messages = [{"role": "user", "content": [part]}]
+        response = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                              json={"model": model_dir, "messages": messages})
+        assert response.status_code == 400
+        assert says in response.json()["error"]["message"]
 
 
 @pytest.fixture(scope="module")

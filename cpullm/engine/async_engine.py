@@ -23,6 +23,7 @@ from cpullm.engine.llm_engine import Frontend, check_cache_salt
 from cpullm.engine.output_processor import OutputProcessor
 from cpullm.logger import init_logger
 from cpullm.lora.request import LoRARequest
+from cpullm.multimodal import ImageInput
 from cpullm.outputs import PoolingRequestOutput, RequestOutput
 from cpullm.pooling_params import PoolingParams
 from cpullm.sampling_params import SamplingParams
@@ -172,7 +173,7 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams | PoolingParams, cache_salt: str | None = None,
-                       lora: LoRARequest | None = None
+                       lora: LoRARequest | None = None, images: list[ImageInput] | None = None
                        ) -> AsyncGenerator[RequestOutput | PoolingRequestOutput, None]:
         """Yield the request's outputs until it finishes (a pooling request: its one
         output). Cancelling the consumer (a client that went away) aborts the request and
@@ -187,7 +188,7 @@ class AsyncEngine:
         check_cache_salt(cache_salt)
         self.frontend.check_lora(lora)
         sequences = self.processor.add_request(request_id, None, prompt_token_ids, params,
-                                               cache_salt, lora)
+                                               cache_salt, lora, images)
         replica = min(range(len(self.cores)), key=lambda i: (self._load[i], i))
         self._load[replica] += 1
         self._replica_of[request_id] = replica

@@ -63,7 +63,21 @@ class Frontend:
         self.grammars = GrammarChecker(self.tokenizer)
         self._processor: Any = None  # a vision-language model's, read at its first image
 
-    def process_images(self, prompt: Prompt) -> tuple[str, list[int], list[ImageInput]]:
+    def processor(self) -> Any:
+        """A vision-language model's processor (transformers'), read once."""
+        if self._processor is None:
+            from transformers import AutoProcessor
+
+            self._processor = AutoProcessor.from_pretrained(
+                self.config.model.source.directory, local_files_only=True)
+        return self._processor
+
+    def image_token(self) -> str:
+        """The text that stands for an image in a prompt (LLaVA's "<image>")."""
+        return self.processor().image_token
+
+    def process_images(self, prompt: Prompt, add_special_tokens: bool = True
+                       ) -> tuple[str, list[int], list[ImageInput]]:
         """A prompt with ``multi_modal_data`` ({"image": an image or a list}): its text
         through the model's processor (which expands each image token into the image's
         feature tokens), and its images."""
@@ -84,14 +98,10 @@ class Frontend:
         text = prompt.get("prompt")
         if not isinstance(text, str):
             raise ValueError("multi_modal_data: a prompt with images must be text (\"prompt\")")
-        if self._processor is None:
-            from transformers import AutoProcessor
-
-            self._processor = AutoProcessor.from_pretrained(model_config.source.directory,
-                                                            local_files_only=True)
         try:
-            processed = self._processor(text=text, images=[i.convert("RGB") for i in images]
-                                        or None, return_tensors="pt")
+            processed = self.processor()(text=text, images=[i.convert("RGB") for i in images]
+                                         or None, return_tensors="pt",
+                                         add_special_tokens=add_special_tokens)
         except ValueError as e:  # (the processor's own checks: placeholders and images)
             raise ValueError(f"multi_modal_data: {e}") from None
         token_ids = processed["input_ids"][0].tolist()

@@ -28,6 +28,7 @@ from cpullm import envs
 from cpullm.engine.async_engine import AsyncEngine, EngineDeadError, ServingEngine
 from cpullm.engine.llm_engine import Frontend
 from cpullm.engine_args import EngineArgs
+from cpullm.entrypoints.openai.media import MediaPolicy, parse_limit
 from cpullm.entrypoints.openai.metrics import ServerMetrics
 from cpullm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -216,7 +217,8 @@ def build_app(engine: ServingEngine, served_model_name: str,
               reasoning_parser: str | None = None,
               responses_store: ResponseStore | None = None,
               webui: bool = True,
-              lora_modules: list[dict[str, Any]] | None = None) -> FastAPI:
+              lora_modules: list[dict[str, Any]] | None = None,
+              media: MediaPolicy | None = None) -> FastAPI:
     """The FastAPI app; the caller starts and stops the engine (see ``lifespan``).
     ``lora_modules``: the adapters to serve (``parse_lora_module``'s), read and checked
     here (ValueError for a bad one)."""
@@ -237,6 +239,7 @@ def build_app(engine: ServingEngine, served_model_name: str,
     pooling = ServingPooling(engine, served_model_name, max_model_len, metrics, max_open)
     for serving in (completions, chat, pooling):
         serving.models = models
+    chat.media = media or MediaPolicy()
     messages = ServingMessages(chat)
     responses = ServingResponses(chat, ResponseStore(1000, 3600.0) if responses_store is None
                                  else responses_store)
@@ -481,6 +484,8 @@ def run_server(args: argparse.Namespace) -> int:
     config = EngineArgs.from_cli_args(args).create_engine_config()
     try:
         lora_modules = [parse_lora_module(value) for value in args.lora_modules or []]
+        media = MediaPolicy(args.allowed_local_media_path, args.allow_remote_media,
+                            parse_limit(args.limit_mm_per_prompt))
     except ValueError as e:
         raise SystemExit(str(e)) from None
     if lora_modules and config.model.lora is None:
@@ -519,7 +524,7 @@ def run_server(args: argparse.Namespace) -> int:
                         reasoning_parser=args.reasoning_parser,
                         responses_store=ResponseStore(args.responses_store_size,
                                                       args.responses_store_ttl),
-                        webui=args.webui, lora_modules=lora_modules)
+                        webui=args.webui, lora_modules=lora_modules, media=media)
     except ValueError as e:  # a bad adapter of --lora-modules
         raise SystemExit(str(e)) from None
     logger.info("Engine ready in %.1f s; serving %s on http://%s:%d", time.perf_counter() - start,

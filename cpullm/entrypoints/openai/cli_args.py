@@ -87,6 +87,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "(the oldest go first; 0: none kept)")
     parser.add_argument("--responses-store-ttl", type=_positive_int, default=3600,
                         help="seconds a stored /v1/responses response is kept")
+    parser.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                        help="chat images may be local files under this folder (file:// "
+                        "URLs or paths); unset: none")
+    parser.add_argument("--allow-remote-media", action="store_true",
+                        help="fetch http(s) image URLs of chat requests (20 MiB, 10 s at most "
+                        "each); off by default")
+    parser.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                        help='the most images in one request, vLLM\'s \'{"image": N}\' '
+                        "(default 8)")
     parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                         help="LoRA adapters to serve (with --enable-lora), each name=path or "
                         'JSON {"name": ..., "path": ..., "base_model_name": ...}; a request '

@@ -247,28 +247,49 @@ class CompletionRequest(_SamplingFields):
 
 
 class ContentPart(OpenAIModel):
-    type: Literal["text"]  # this server takes text only
+    type: Literal["text"]
     text: str
+
+
+class ImageURL(OpenAIModel):
+    url: str = Field(min_length=1)  # a data URL, a local file, or http(s) (docs/api.md)
+    detail: str | None = None  # (OpenAI's; ignored: the model's processor sizes images)
+
+
+class ImagePart(OpenAIModel):
+    """An image (vision-language models only)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
 
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart | ImagePart] | None = None
     name: str | None = None
 
-    def text(self) -> str:
+    def text(self, image_token: str | None = None) -> str:
+        """The text content; an image part is ``image_token`` in its place (or nothing)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text if isinstance(part, ContentPart) else image_token or ""
+                       for part in self.content)
 
-    def for_template(self) -> dict[str, Any]:
+    def image_urls(self) -> list[str]:
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
+
+    def for_template(self, image_token: str | None = None) -> dict[str, Any]:
         # (an assistant message's tool_calls and a tool message's tool_call_id ride along
         # as extra fields, which the template reads)
-        """The message as the chat template sees it: text content, and any other fields the
-        client sent (name, tool_calls, tool_call_id, ...) as they are."""
-        message = {**(self.model_extra or {}), "role": self.role, "content": self.text()}
+        """The message as the chat template sees it: text content (each image part the
+        model's ``image_token``), and any other fields the client sent (name, tool_calls,
+        tool_call_id, ...) as they are."""
+        message = {**(self.model_extra or {}), "role": self.role,
+                   "content": self.text(image_token)}
         calls = message.get("tool_calls")
         if isinstance(calls, list):  # templates read the arguments as an object (as vLLM's)
             message["tool_calls"] = [_arguments_as_object(c) for c in calls]

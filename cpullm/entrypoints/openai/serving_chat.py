@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pydantic
 
+from cpullm.entrypoints.openai.media import load_image
 from cpullm.entrypoints.openai.protocol import ChatCompletionRequest, now, random_id
 from cpullm.entrypoints.openai.reasoning_parsers import (
     ReasoningParser,
@@ -31,6 +33,7 @@ from cpullm.entrypoints.openai.tool_parsers import (
     get_tool_parser,
 )
 from cpullm.lora.request import LoRARequest
+from cpullm.multimodal import ImageInput
 from cpullm.outputs import CompletionOutput, Logprob, RequestOutput
 from cpullm.sampling_params import SamplingParams
 from cpullm.structured_output import StructuredOutputsParams
@@ -44,6 +47,7 @@ class ChatTurn:
     token_ids: list[int]
     params: SamplingParams
     lora: LoRARequest | None = None  # the adapter the request's model names
+    images: list[ImageInput] = field(default_factory=list)  # a vision-language model's
 
 
 class AnswerStream:
@@ -201,11 +205,43 @@ class ServingChat(ServingBase):
             message["tool_calls"] = [c.to_json() for c in calls]
         return message, bool(calls)
 
+    def load_images(self, request: ChatCompletionRequest) -> list[Any]:
+        """The conversation's images (PIL), read from their URLs (which may wait on the
+        network: call it off the event loop); 400 for an image that cannot be had, for
+        images to a model that takes none, and for more than --limit-mm-per-prompt."""
+        urls = [(f"messages[{i}].content: image_url", url)
+                for i, message in enumerate(request.messages) for url in message.image_urls()]
+        if not urls:
+            return []
+        if self.engine.config.model.mm_config is None:
+            raise OpenAIError(f"The model `{self.served_model_name}` takes no images.", 400,
+                              "messages")
+        if len(urls) > self.media.max_images:
+            raise OpenAIError(f"{len(urls)} images in the conversation; this server takes at "
+                              f"most {self.media.max_images} (--limit-mm-per-prompt).", 400,
+                              "messages")
+        try:
+            return [load_image(url, self.media, where) for where, url in urls]
+        except ValueError as e:
+            raise OpenAIError(str(e), 400, "messages") from None
+
     def render(self, request: ChatCompletionRequest) -> list[int]:
+        return self.render_with_images(request)[0]
+
+    def render_with_images(self, request: ChatCompletionRequest,
+                           images: list[Any] | None = None
+                           ) -> tuple[list[int], list[ImageInput]]:
+        """The conversation's prompt token ids, and its images (``images``, load_images',
+        or loaded here) as the engine takes them: the model's processor expands each
+        image's token."""
         if not request.messages:
             raise OpenAIError("messages must contain at least one message.", 400, "messages")
+        if images is None:
+            images = self.load_images(request)
+        frontend = self.engine.frontend
+        image_token = frontend.image_token() if images else None
         try:
-            messages = [m.for_template() for m in request.messages]
+            messages = [m.for_template(image_token) for m in request.messages]
             kwargs = dict(request.chat_template_kwargs or {})
             if request.tools:
                 kwargs["tools"] = [t.model_dump(exclude_none=True) for t in request.tools]
@@ -216,9 +252,18 @@ class ServingChat(ServingBase):
             raise OpenAIError.from_value_error(e) from None
         except Exception as e:  # a template that raises on this conversation (Jinja errors)
             raise OpenAIError(f"chat template failed: {e}", 400, "messages") from None
-        return self.encode(prompt, add_special_tokens=False)
+        if not images:
+            return self.encode(prompt, add_special_tokens=False), []
+        try:
+            _, token_ids, inputs = frontend.process_images(
+                {"prompt": prompt, "multi_modal_data": {"image": images}},
+                add_special_tokens=False)
+        except ValueError as e:
+            raise OpenAIError(str(e), 400, "messages") from None
+        return token_ids, inputs
 
-    def prepare(self, request: ChatCompletionRequest) -> ChatTurn:
+    def prepare(self, request: ChatCompletionRequest, images: list[Any] | None = None
+                ) -> ChatTurn:
         """The checked request as the engine takes it: the tool mode, the rendered prompt's
         token ids and the sampling parameters (a required or named call's JSON schema held
         by structured outputs). /v1/messages and /v1/responses come through here too."""
@@ -226,7 +271,7 @@ class ServingChat(ServingBase):
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true.", 400, "top_logprobs")
         mode = self.tool_mode(request)
-        token_ids = self.render(request)
+        token_ids, inputs = self.render_with_images(request, images)
         max_tokens = self.check_prompt(
             token_ids, request.max_completion_tokens if request.max_completion_tokens is not None
             else request.max_tokens)
@@ -239,7 +284,7 @@ class ServingChat(ServingBase):
                 self.engine.frontend.check_params(params)
             except ValueError as e:
                 raise OpenAIError.from_value_error(e) from None
-        return ChatTurn(mode, token_ids, params, lora)
+        return ChatTurn(mode, token_ids, params, lora, inputs)
 
     def answer_stream(self, request: ChatCompletionRequest, mode: str | None) -> AnswerStream:
         """A streamed answer's splitter, which splits it as ``message`` splits the whole."""
@@ -263,11 +308,12 @@ class ServingChat(ServingBase):
 
     async def create(self, request: ChatCompletionRequest
                      ) -> dict[str, Any] | AsyncIterator[str]:
-        turn = self.prepare(request)
+        images = await asyncio.to_thread(self.load_images, request)
+        turn = self.prepare(request, images)
         mode, token_ids, params = turn.mode, turn.token_ids, turn.params
         response_id = random_id("chatcmpl")
         stream = self.generate(response_id, token_ids, params, request.cache_salt,
-                               lora=turn.lora)
+                               lora=turn.lora, images=turn.images)
         if request.stream:
             if mode in ("auto", "required", "named"):
                 return self._stream_tools(request, mode, response_id, len(token_ids), stream)

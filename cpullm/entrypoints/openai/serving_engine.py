@@ -14,10 +14,12 @@ from cpullm.engine.async_engine import (
     ServerShuttingDownError,
     ServingEngine,
 )
+from cpullm.entrypoints.openai.media import MediaPolicy
 from cpullm.entrypoints.openai.metrics import ServerMetrics
 from cpullm.entrypoints.openai.protocol import Usage, _SamplingFields
 from cpullm.logger import init_logger
 from cpullm.lora.request import LoRARequest
+from cpullm.multimodal import ImageInput
 from cpullm.outputs import Logprob, PoolingRequestOutput, PromptLogprobs
 from cpullm.pooling_params import PoolingParams
 from cpullm.sampling_params import RequestOutputKind, SamplingParams
@@ -90,6 +92,7 @@ def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
 
 class ServingBase:
     route = ""  # for log lines
+    media = MediaPolicy()  # where a request's images may come from (build_app)
     models: ServingModels | None = None  # the base model and its adapters (build_app)
 
     def __init__(self, engine: ServingEngine, served_model_name: str, max_model_len: int,
@@ -222,8 +225,8 @@ class ServingBase:
 
     async def generate(self, request_id: str, token_ids: list[int],
                        params: SamplingParams | PoolingParams, cache_salt: str | None = None,
-                       record: bool = True, lora: LoRARequest | None = None
-                       ) -> AsyncGenerator[Any, None]:
+                       record: bool = True, lora: LoRARequest | None = None,
+                       images: list[ImageInput] | None = None) -> AsyncGenerator[Any, None]:
         """The engine's outputs for one prompt (RequestOutputs; a pooling request's one
         PoolingRequestOutput), with latency metrics recorded on the way (unless
         ``record`` is false: a step of a beam search, which is not a request of its own)."""
@@ -231,7 +234,7 @@ class ServingBase:
         first = True
         num_tokens = 0
         streaming = getattr(params, "output_kind", None) == RequestOutputKind.DELTA
-        stream = self.engine.generate(request_id, token_ids, params, cache_salt, lora)
+        stream = self.engine.generate(request_id, token_ids, params, cache_salt, lora, images)
         finished = False
         try:
             async for output in stream:
