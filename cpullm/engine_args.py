@@ -292,8 +292,12 @@ class EngineArgs:
         source = resolve_model(self.model, self.load_format, pooling=self._asks_pooling())
         hf_config = load_hf_config(source)
         mm_config = None
-        if (getattr(hf_config, "architectures", None) or [None])[0] in MULTIMODAL_ARCHITECTURES:
+        architecture = (getattr(hf_config, "architectures", None) or [None])[0]
+        if architecture in MULTIMODAL_ARCHITECTURES:
             mm_config, hf_config = hf_config, hf_config.text_config  # (the engine's sizes)
+        elif getattr(hf_config, "vision_config", None) is not None:
+            raise ValueError(f"architecture {architecture!r}: this vision-language model is not "
+                             f"supported yet (supported: {', '.join(MULTIMODAL_ARCHITECTURES)})")
         model_dtype = getattr(hf_config, "dtype", None)
         if isinstance(model_dtype, str):
             model_dtype = getattr(torch, model_dtype, None)

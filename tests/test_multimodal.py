@@ -211,3 +211,13 @@ def test_a_text_model_refuses_images(tiny_model):
                                            messages=[{"role": "user", "content": [part]}])
     finally:
         assert server.stop() == 0
+
+
+def test_other_vision_language_models_are_refused_by_name(tmp_path):
+    from transformers import Qwen2_5_VLConfig
+
+    config = Qwen2_5_VLConfig(architectures=["Qwen2_5_VLForConditionalGeneration"])
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="'Qwen2_5_VLForConditionalGeneration': this "
+                       "vision-language model is not supported yet"):
+        LLM(str(tmp_path))
