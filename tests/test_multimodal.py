@@ -221,3 +221,25 @@ def test_other_vision_language_models_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="'Qwen2_5_VLForConditionalGeneration': this "
                        "vision-language model is not supported yet"):
         LLM(str(tmp_path))
+
+
+def test_llm_chat_takes_image_parts(llava):
+    """LLM.chat with vLLM's offline image parts (image_pil, and image_url with a data URL)
+    answers as transformers on the same rendered conversation."""
+    from transformers import AutoTokenizer
+
+    folder, model, processor = llava
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=1 << 24)
+    conversation = [{"role": "user", "content": [
+        {"type": "image_pil", "image_pil": image(8)}, {"type": "text", "text": " and "},
+        {"type": "image_url", "image_url": {"url": data_url(image(9))}}]}]
+    got = llm.chat([conversation, [{"role": "user", "content": "no picture"}]], GREEDY,
+                   use_tqdm=False)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "<image> and <image>"}],
+                                           tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=prompt, images=[image(8), image(9)], return_tensors="pt",
+                       add_special_tokens=False)
+    out = model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS)
+    assert got[0].outputs[0].token_ids == out[0, inputs["input_ids"].shape[1]:].tolist()
+    assert len(got[1].outputs[0].token_ids) == NEW_TOKENS

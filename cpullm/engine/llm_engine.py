@@ -310,12 +310,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: Prompt,
                     params: SamplingParams | PoolingParams,
-                    lora_request: LoRARequest | None = None) -> str:
-        """Queue a request (with a LoRA adapter); returns its id. Bad prompts and
-        adapters raise ValueError."""
+                    lora_request: LoRARequest | None = None,
+                    images: list[ImageInput] | None = None) -> str:
+        """Queue a request (with a LoRA adapter; ``images``: its token ids' images, as
+        Frontend.process_images made them); returns its id. Bad prompts and adapters raise
+        ValueError."""
         request_id = request_id if request_id is not None else str(next(self._ids))
-        images: list[ImageInput] = []
-        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt and not images:
             text, token_ids, images = self.frontend.process_images(prompt)
         else:
             text, token_ids = self.frontend.tokenize_prompt(prompt)

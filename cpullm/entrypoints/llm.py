@@ -15,6 +15,7 @@ from cpullm.engine.llm_engine import LLMEngine, Prompt
 from cpullm.engine_args import EngineArgs
 from cpullm.logger import logging_to_tqdm
 from cpullm.lora.request import LoRARequest
+from cpullm.multimodal import ImageInput
 from cpullm.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -35,6 +36,44 @@ def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         return [prompts]  # type: ignore[list-item]
     return list(prompts)  # type: ignore[arg-type]
+
+
+def _chat_images(conversation: list[Message], frontend: Any
+                 ) -> tuple[list[Message], list[Any]]:
+    """A conversation's image parts (PIL images, loaded), and the conversation with each
+    message's parts as text, an image part the model's image token in its place; the
+    conversation as it is where it has none."""
+    from cpullm.entrypoints.openai.media import MediaPolicy, load_image
+
+    def is_image(part: Any) -> bool:
+        return isinstance(part, dict) and part.get("type") in ("image_url", "image_pil")
+
+    if not any(isinstance(m.get("content"), list) and any(map(is_image, m["content"]))
+               for m in conversation):
+        return conversation, []
+    token = frontend.image_token() if frontend.config.model.mm_config is not None else None
+    if token is None:
+        raise ValueError(f"{frontend.config.model.architecture} takes no images")
+    policy = MediaPolicy(allowed_local_path="/", allow_remote=True)  # (the caller's own)
+    pictures, rendered = [], []
+    for i, message in enumerate(conversation):
+        content = message.get("content")
+        if not isinstance(content, list):
+            rendered.append(message)
+            continue
+        text = []
+        for part in content:
+            if part.get("type") == "image_pil":
+                pictures.append(part["image_pil"])
+            elif part.get("type") == "image_url":
+                pictures.append(load_image(part["image_url"]["url"], policy,
+                                           f"messages[{i}]: image_url"))
+            else:
+                text.append(part.get("text", ""))
+                continue
+            text.append(token)
+        rendered.append({**message, "content": "".join(text)})
+    return rendered, pictures
 
 
 def _params_list(params: Any, count: int, name: str) -> list[Any]:
@@ -112,19 +151,20 @@ class LLM:
 
     def _submit(self, prompts: list[Prompt],
                 params_list: Sequence[SamplingParams | PoolingParams], use_tqdm: bool,
-                loras: Sequence[LoRARequest | None] | None = None
+                loras: Sequence[LoRARequest | None] | None = None,
+                images: Sequence[list[ImageInput]] | None = None
                 ) -> list[RequestOutput | PoolingRequestOutput]:
         """Queue every prompt (each with a copy of its params), run them all, and return
         the outputs in the order of the prompts, each once it is finished."""
         engine = self.llm_engine
         ids = []
         try:
-            for prompt, params, lora in zip(prompts, params_list, loras or [None] * len(prompts),
-                                            strict=True):
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 params = params.clone()
                 if isinstance(params, SamplingParams):
                     params.output_kind = RequestOutputKind.FINAL_ONLY
-                ids.append(engine.add_request(None, prompt, params, lora))
+                ids.append(engine.add_request(None, prompt, params, loras[i] if loras else None,
+                                              images[i] if images else None))
             return self._run(ids, use_tqdm)
         finally:
             engine.abort_request(ids)  # after an error, leave nothing queued
@@ -196,17 +236,38 @@ class LLM:
              chat_template_kwargs: dict[str, Any] | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
              ) -> list[RequestOutput]:
-        """Apply the chat template to one conversation or a list of them, then generate."""
+        """Apply the chat template to one conversation or a list of them, then generate.
+        A vision-language model's messages may hold image parts, as vLLM's:
+        ``{"type": "image_url", "image_url": {"url": ...}}`` (a data URL, a file or an
+        http(s) URL) or ``{"type": "image_pil", "image_pil": PIL image}``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = []
+        images: list[list[ImageInput]] = []
+        frontend = self.llm_engine.frontend
         for conversation in conversations:
+            conversation, pictures = _chat_images(conversation, frontend)
             text = self.llm_engine.apply_chat_template(
                 conversation, chat_template, add_generation_prompt, continue_final_message,
                 **(chat_template_kwargs or {}))
             # The template already holds any BOS token: do not add special tokens again.
-            ids = self.llm_engine.tokenizer.encode(text, add_special_tokens=False)
+            if pictures:
+                _, ids, inputs = frontend.process_images(
+                    {"prompt": text, "multi_modal_data": {"image": pictures}},
+                    add_special_tokens=False)
+            else:
+                ids, inputs = self.llm_engine.tokenizer.encode(text, add_special_tokens=False), []
             prompts.append({"prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+            images.append(inputs)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = _params_list(sampling_params, len(prompts), "sampling_params")
+        loras = list(lora_request) if isinstance(lora_request, list | tuple) else \
+            [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} "
+                             "conversations")
+        return self._submit(prompts, params_list, use_tqdm, loras,  # type: ignore[return-value]
+                            images)
 
     def _run(self, request_ids: list[str], use_tqdm: bool
              ) -> list[RequestOutput | PoolingRequestOutput]:
