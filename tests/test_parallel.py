@@ -186,6 +186,8 @@ def test_heads_that_do_not_split_are_refused():
         LLM(None, tensor_parallel_size=2)
 
 
+# (qwen2's biased q/k/v over ranks: test_fewer_kv_heads_than_ranks, the golden checks)
+@pytest.mark.parametrize("mixed_gguf", ["llama"], indirect=True)
 def test_gguf_blocks_split_over_ranks(mixed_gguf):  # noqa: F811
     """A file mixing K-quant and legacy blocks: rows split for q/k/v and gate/up, whole
     blocks of columns (256 weights for Q6_K) for o and down, the Q8_0 embedding table by
